@@ -1,0 +1,21 @@
+"""Decoder models for the four RLHF roles, configured from Hugging Face checkpoints."""
+
+from jaxrlhf.models.config import ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
+from jaxrlhf.models.transformer import (
+    HEADS,
+    KVCache,
+    ModelOutput,
+    Transformer,
+    count_params,
+    init_cache,
+    init_params,
+    logical_axes,
+    positions_from_mask,
+    score_at_last_token,
+)
+
+__all__ = [
+    "HEADS", "KVCache", "ModelConfig", "ModelOutput", "RopeScaling", "Transformer",
+    "UnsupportedConfigError", "count_params", "from_hf_config", "init_cache", "init_params",
+    "logical_axes", "positions_from_mask", "score_at_last_token", "to_hf_dict",
+]

@@ -1,0 +1,251 @@
+"""`ModelConfig`: the decoder hyperparameters, and their translation to and from Hugging Face.
+
+One frozen dataclass describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3): the
+families differ only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied
+embeddings). Anything in a checkpoint's `config.json` that this decoder does not implement
+is refused with a message naming the field, never approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+# model_type -> the switches that distinguish the family.
+_FAMILIES = {
+    "llama": dict(qkv_bias=None, qk_norm=False),  # qkv_bias from `attention_bias`
+    "qwen2": dict(qkv_bias=True, qk_norm=False),
+    "qwen3": dict(qkv_bias=None, qk_norm=True),
+}
+_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedConfigError(ValueError):
+    """A checkpoint config asks for something this decoder does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (`rope_type` "linear" or "llama3")."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of a decoder-only transformer (pre-norm, RoPE, GQA, SwiGLU).
+
+    `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters; RMSNorm,
+    softmax and rotary angles are always computed in float32.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama `attention_bias` (which also biases o_proj)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.model_type not in _FAMILIES:
+            raise UnsupportedConfigError(
+                f"model_type={self.model_type!r} is not supported; expected one of "
+                f"{sorted(_FAMILIES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling.rope_type not in _ROPE_TYPES:
+            raise UnsupportedConfigError(
+                f"rope_type={self.rope_scaling.rope_type!r} is not implemented; supported: "
+                f"{list(_ROPE_TYPES)}"
+            )
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the causal LM (embeddings, trunk, and the LM head if untied)."""
+        d, f, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
+                          self.num_kv_heads, self.head_dim)
+        attn = d * hd * (2 * h + 2 * k) + (hd * (h + 2 * k) if self.qkv_bias else 0)
+        attn += (d if self.o_bias else 0) + (2 * hd if self.qk_norm else 0)
+        mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    def inv_freq(self) -> np.ndarray:
+        """Rotary inverse frequencies `[head_dim // 2]` in float64, scaling applied."""
+        dim = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        rs = self.rope_scaling
+        if rs.rope_type == "linear":
+            return inv / rs.factor
+        if rs.rope_type == "llama3":
+            # Llama 3.1 "frequency-dependent" scaling: long wavelengths are divided by
+            # `factor`, short ones kept, the band in between interpolated smoothly.
+            low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+            high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+            smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+                rs.high_freq_factor - rs.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled)
+        return inv
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    # transformers >= 5 folds rope_theta into `rope_parameters`; older files use
+    # `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if rope_type not in _ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"config.json: rope_type={rope_type!r} is not implemented (supported: "
+            f"{list(_ROPE_TYPES)}); refusing to approximate it"
+        )
+    known = {f.name for f in dataclasses.fields(RopeScaling)}
+    extra = {k: v for k, v in params.items()
+             if k not in known and v is not None
+             and not (k == "partial_rotary_factor" and v == 1)}
+    if extra:
+        raise UnsupportedConfigError(f"config.json: unsupported rope fields {sorted(extra)}")
+    kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+    return theta, RopeScaling(rope_type=rope_type, **kwargs)
+
+
+def from_hf_config(hf: Any, **overrides) -> ModelConfig:
+    """Build a `ModelConfig` from a transformers config object or its `to_dict()`."""
+    if not isinstance(hf, Mapping):
+        hf = hf.to_dict()
+    model_type = hf.get("model_type")
+    if model_type not in _FAMILIES:
+        raise UnsupportedConfigError(
+            f"config.json: model_type={model_type!r} is not supported; supported families: "
+            f"{sorted(_FAMILIES)}"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfigError(f"config.json: hidden_act={act!r}; only 'silu' is implemented")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedConfigError("config.json: use_sliding_window=true is not implemented")
+    if hf.get("pretraining_tp", 1) not in (1, None):
+        raise UnsupportedConfigError("config.json: pretraining_tp != 1 is not implemented")
+    theta, scaling = _rope_from_hf(hf)
+    family = _FAMILIES[model_type]
+    attention_bias = bool(hf.get("attention_bias", False))
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    eos = hf.get("eos_token_id")
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        model_type=model_type,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias if family["qkv_bias"] is None else family["qkv_bias"],
+        o_bias=attention_bias if model_type == "llama" else False,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=family["qk_norm"],
+        pad_token_id=hf.get("pad_token_id"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos,
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def to_hf_dict(config: ModelConfig, *, architecture: str = "ForCausalLM", num_labels: int | None = None) -> dict:
+    """The `config.json` contents that transformers loads into the same model.
+
+    `architecture` is the class suffix: "ForCausalLM" or "ForSequenceClassification".
+    """
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[config.model_type]
+    rope = {"rope_type": config.rope_scaling.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_scaling.rope_type != "default":
+        rope.update(factor=config.rope_scaling.factor)
+    if config.rope_scaling.rope_type == "llama3":
+        rs = config.rope_scaling
+        rope.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                    original_max_position_embeddings=rs.original_max_position_embeddings)
+    out = {
+        "architectures": [prefix + architecture],
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "pad_token_id": config.pad_token_id,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple) else config.eos_token_id,
+        "torch_dtype": config.param_dtype,
+        "use_cache": True,
+    }
+    if config.rope_scaling.rope_type != "default":
+        out["rope_scaling"] = dict(rope)
+    if config.model_type == "llama":
+        if config.qkv_bias != config.o_bias:
+            raise UnsupportedConfigError("Llama checkpoints bias q/k/v and o_proj together")
+        out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+    elif config.model_type == "qwen3":
+        out.update(attention_bias=config.qkv_bias)
+    if config.model_type in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    if num_labels is not None:
+        out["num_labels"] = num_labels
+        out["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        out["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    return out

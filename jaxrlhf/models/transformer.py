@@ -1,0 +1,301 @@
+"""The decoder-only transformer shared by the actor, critic, reference and reward model.
+
+Pre-norm RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP:
+the Llama / Qwen2 / Qwen3 families, which differ only in switches of `ModelConfig`.
+
+Parameters are a plain pytree whose names mirror the Hugging Face checkpoint (`layers_3`
+↔ `model.layers.3`), and every parameter carries logical axis names (`vocab`, `embed`,
+`q_heads`, `kv_heads`, `head_dim`, `mlp`, `norm`) that sharding rules map onto a mesh.
+
+One `__call__` serves both the full forward (training, scoring) and incremental decoding
+with a static-shape KV cache (sampling): the cache holds `S` slots, new tokens are written
+at `cache_index`, and `attention_mask` then covers all `S` slots.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.models.config import ModelConfig
+
+HEADS = ("lm", "score", "lm_value")
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+class KVCache(NamedTuple):
+    """One layer's cache: keys and values after RoPE, `[B, S, K, H]` (K kv heads)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class ModelOutput(NamedTuple):
+    """`logits` `[B, L, V]` (head "lm"/"lm_value"), `values` `[B, L]` float32 (head
+    "score"/"lm_value"), `hidden` `[B, L, D]` after the final norm, and the updated cache."""
+
+    logits: jax.Array | None
+    values: jax.Array | None
+    hidden: jax.Array
+    cache: tuple[KVCache, ...] | None
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
+    """An empty cache of `max_len` slots for each layer."""
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+    return tuple(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+
+
+def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
+    """Position ids that skip padding: the `i`-th valid token gets position `i`.
+
+    Left-padded prompts thus start at position 0 like unpadded ones (the padding slots get 0,
+    they are never attended to).
+    """
+    return jnp.maximum(jnp.cumsum(mask_BxS.astype(jnp.int32), axis=1) - 1, 0)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    axis: str = "norm"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
+                           (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class Einsum(nn.Module):
+    """A projection whose kernel has named axes, applied with a lettered einsum."""
+
+    shape: tuple[int, ...]
+    eqn: str
+    axes: tuple[str | None, ...]
+    bias_axes: tuple[str | None, ...] | None = None
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype)
+        y = jnp.einsum(self.eqn, x.astype(self.dtype), w.astype(self.dtype))
+        if self.bias_axes is not None:
+            b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
+                           self.shape[-len(self.bias_axes):], self.param_dtype)
+            y = y + b.astype(self.dtype)
+        return y
+
+
+def _rotate(x_BxLxNxH, cos_BxLxH, sin_BxLxH):
+    half = x_BxLxNxH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxLxNxH[..., half:], x_BxLxNxH[..., :half]], axis=-1)
+    return x_BxLxNxH * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_BxLxS, kv: KVCache | None, cache_index):
+        c = self.config
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
+        proj = lambda name, shape, eqn, axes, bias: Einsum(shape, eqn, axes, bias, dt, pdt, name=name)
+        q = proj("q_proj", (d, n, h), "BLD,DNH->BLNH", ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD)
+        key = proj("k_proj", (d, k, h), "BLD,DKH->BLKH", ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
+        val = proj("v_proj", (d, k, h), "BLD,DKH->BLKH", ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
+            key = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(key)
+        q = _rotate(q, cos_BxLxH, sin_BxLxH).astype(dt)
+        key = _rotate(key, cos_BxLxH, sin_BxLxH).astype(dt)
+
+        if kv is not None:
+            start = (0, cache_index, 0, 0)
+            kv = KVCache(jax.lax.dynamic_update_slice(kv.k, key.astype(kv.k.dtype), start),
+                         jax.lax.dynamic_update_slice(kv.v, val.astype(kv.v.dtype), start))
+            key, val = kv.k.astype(dt), kv.v.astype(dt)
+
+        b, l = x_BxLxD.shape[:2]
+        q_BxLxKxGxH = q.reshape(b, l, k, n // k, h)
+        scores = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, key).astype(jnp.float32) * (h ** -0.5)
+        # finfo.min rather than -inf: a fully masked row (a padding query) stays finite.
+        scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("BKGLS,BSKH->BLKGH", probs, val).reshape(b, l, n, h)
+        out = proj("o_proj", (n, h, d), "BLNH,NHD->BLD", ("q_heads", "head_dim", "embed"),
+                   ("embed",) if c.o_bias else None)(out)
+        return out, kv
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD):
+        c = self.config
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        d, f = c.hidden_size, c.intermediate_size
+        bias = lambda ax: (ax,) if c.mlp_bias else None
+        gate = Einsum((d, f), "BLD,DF->BLF", ("embed", "mlp"), bias("mlp"), dt, pdt, name="gate_proj")(x_BxLxD)
+        up = Einsum((d, f), "BLD,DF->BLF", ("embed", "mlp"), bias("mlp"), dt, pdt, name="up_proj")(x_BxLxD)
+        return Einsum((f, d), "BLF,FD->BLD", ("mlp", "embed"), bias("embed"), dt, pdt,
+                      name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD, cos, sin, mask_BxLxS, kv, cache_index):
+        c = self.config
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        attn_out, kv = Attention(c, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, dt, pdt, name="input_layernorm")(x_BxLxD), cos, sin, mask_BxLxS, kv, cache_index)
+        x_BxLxD = x_BxLxD + attn_out
+        x_BxLxD = x_BxLxD + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x_BxLxD))
+        return x_BxLxD, kv
+
+
+class Transformer(nn.Module):
+    """Decoder with a language-model head, a scalar head, or both.
+
+    head: "lm" (actor / reference), "score" (critic or reward model: a scalar per position,
+      HF `*ForSequenceClassification` with one label), "lm_value" (actor-critic on a shared
+      trunk: LM head plus a `value_head`).
+    """
+
+    config: ModelConfig
+    head: str = "lm"
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids_BxL: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        position_ids: jax.Array | None = None,
+        cache: Sequence[KVCache] | None = None,
+        cache_index: jax.Array | int | None = None,
+        compute_logits: bool = True,
+    ) -> ModelOutput:
+        """Forward pass.
+
+        Args:
+          input_ids_BxL: int token ids `[B, L]`.
+          attention_mask: `[B, L]` (no cache) or `[B, S]` over all cache slots (with cache);
+            1 for real tokens. Defaults to all ones.
+          position_ids: `[B, L]`; by default the count of valid tokens before each one, so
+            left padding does not shift positions.
+          cache: from `init_cache` (S slots) or a previous call; the new keys/values are
+            written at slots `cache_index .. cache_index + L - 1`.
+          compute_logits: False skips the `[B, L, V]` LM head (the caller may project
+            `hidden` itself in chunks).
+        """
+        c = self.config
+        if self.head not in HEADS:
+            raise ValueError(f"head={self.head!r}; expected one of {HEADS}")
+        if input_ids_BxL.ndim != 2:
+            raise ValueError(f"input_ids must have shape [B, L], got {input_ids_BxL.shape}")
+        b, l = input_ids_BxL.shape
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+
+        if cache is None:
+            mask = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
+            if mask.shape != (b, l):
+                raise ValueError(f"attention_mask must have shape [B, L] = {(b, l)}, got {mask.shape}")
+            if position_ids is None:
+                position_ids = positions_from_mask(mask)
+            causal = jnp.tril(jnp.ones((l, l), bool))
+            mask_BxLxS = mask[:, None, :] & causal[None]
+            cache_index = 0
+        else:
+            if cache_index is None:
+                raise ValueError("cache_index is required when a cache is given")
+            if len(cache) != c.num_layers:
+                raise ValueError(f"cache has {len(cache)} layers, the model {c.num_layers}")
+            s = cache[0].k.shape[1]
+            mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+            if mask.shape != (b, s):
+                raise ValueError(f"with a cache, attention_mask must cover all cache slots: "
+                                 f"expected [B, S] = {(b, s)}, got {mask.shape}")
+            if position_ids is None:
+                position_ids = jax.lax.dynamic_slice_in_dim(positions_from_mask(mask), cache_index, l, axis=1)
+            query_slot = cache_index + jnp.arange(l)
+            mask_BxLxS = mask[:, None, :] & (jnp.arange(s)[None, :] <= query_slot[:, None])[None]
+
+        inv_freq = jnp.asarray(c.inv_freq(), jnp.float32)
+        angles = position_ids.astype(jnp.float32)[..., None] * inv_freq
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        cos, sin = jnp.cos(angles).astype(dt), jnp.sin(angles).astype(dt)
+
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt,
+                         embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")),
+                         name="embed_tokens")
+        x = embed(input_ids_BxL)
+        layer_cls = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+        new_cache = []
+        for i in range(c.num_layers):
+            x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, mask_BxLxS,
+                                                      None if cache is None else cache[i], cache_index)
+            new_cache.append(kv)
+        hidden = RMSNorm(c.rms_norm_eps, dt, pdt, name="norm")(x)
+
+        logits = values = None
+        if self.head in ("lm", "lm_value") and compute_logits:
+            logits = self.lm_logits(hidden, embed)
+        if self.head == "lm_value":
+            values = Einsum((c.hidden_size, 1), "BLD,DO->BLO", ("embed", None), None, dt, pdt,
+                            name="value_head")(hidden)[..., 0].astype(jnp.float32)
+        if self.head == "score":
+            values = Einsum((c.hidden_size, 1), "BLD,DO->BLO", ("embed", None), None, dt, pdt,
+                            name="score")(hidden)[..., 0].astype(jnp.float32)
+        if self.head in ("lm", "lm_value") and not compute_logits and self.is_initializing():
+            self.lm_logits(hidden, embed)  # create the LM head's params anyway
+        return ModelOutput(logits, values, hidden, None if cache is None else tuple(new_cache))
+
+    def lm_logits(self, hidden_BxLxD, embed: nn.Embed):
+        c = self.config
+        if c.tie_word_embeddings:
+            return embed.attend(hidden_BxLxD)
+        return Einsum((c.hidden_size, c.vocab_size), "BLD,DV->BLV", ("embed", "vocab"), None,
+                      jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name="lm_head")(hidden_BxLxD)
+
+
+def init_params(model: Transformer, rng: jax.Array, *, seq_len: int = 8):
+    """Random parameters (HF-style N(0, 0.02) init, norms at 1) as a plain pytree."""
+    variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
+    return nn.unbox(variables["params"])
+
+
+def logical_axes(model: Transformer):
+    """A pytree like the params whose leaves are tuples of logical axis names."""
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
+    return jax.tree.map(lambda x: tuple(x.names), abstract["params"],
+                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def score_at_last_token(values_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+    """The scalar at the last valid position of each row: the reward model's score `[B]`.
+
+    Works with left padding (prompt) and right padding (response) alike, since it reads the
+    highest index whose mask is set. A row without valid tokens reads position 0.
+    """
+    idx = jnp.max(jnp.where(mask_BxL.astype(bool), jnp.arange(values_BxL.shape[1])[None], 0), axis=1)
+    return jnp.take_along_axis(values_BxL, idx[:, None], axis=1)[:, 0]
+
+
+def count_params(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
