@@ -1,0 +1,57 @@
+"""RL primitives for language models: pure, jit-able functions on response-aligned arrays.
+
+Shapes: `B` sequences, `T` response length (right-padded), `V` vocabulary, `N = prompts·G`
+grouped sequences. `mask` `[B, T]` (bool or float) is 1 on real response tokens, a
+contiguous prefix; padding never changes a result. Every function computes in float32
+whatever its input dtype. The formulas are fixed by the project's SPEC (§1–5, §8).
+
+    logp = ops.token_logprobs(ops.shift_logits_for_response(logits, P), response)
+    rewards = ops.shape_rewards(scores, ops.kl(logp, ref_logp, estimator="k1"), mask, beta)
+    adv, ret = ops.gae(rewards, values, mask)
+    loss, metrics = ops.policy_loss(logp, old_logp, ops.whiten(adv, mask), mask)
+"""
+
+from jaxrlhf.ops._advantages import (
+    GAEOutput,
+    broadcast_sequence,
+    gae,
+    group_advantages,
+    whiten,
+)
+from jaxrlhf.ops._kl import approx_kl, kl, shape_rewards
+from jaxrlhf.ops._logprobs import (
+    entropy,
+    sequence_logprobs,
+    shift_logits_for_response,
+    token_logprobs,
+)
+from jaxrlhf.ops._losses import dpo_loss, policy_loss, reward_model_loss, value_loss
+from jaxrlhf.ops._masked import aggregate, masked_mean, masked_sum, masked_var
+
+__all__ = [
+    # log-probabilities (SPEC §2)
+    "token_logprobs",
+    "entropy",
+    "sequence_logprobs",
+    "shift_logits_for_response",
+    # KL (SPEC §3)
+    "kl",
+    "approx_kl",
+    "shape_rewards",
+    # advantages (SPEC §4)
+    "GAEOutput",
+    "gae",
+    "whiten",
+    "group_advantages",
+    "broadcast_sequence",
+    # losses and aggregation (SPEC §5)
+    "aggregate",
+    "policy_loss",
+    "value_loss",
+    "dpo_loss",
+    "reward_model_loss",
+    # masked reductions
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+]

@@ -1,0 +1,207 @@
+"""Advantage estimators: GAE, group-relative baselines, whitening (SPEC §4)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrlhf.ops import _checks, _masked
+
+GAE_METHODS = ("auto", "scan", "associative")
+GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
+
+
+class GAEOutput(NamedTuple):
+    """`advantages` and `returns` (the critic's targets), both `[B, T]` float32."""
+
+    advantages: jax.Array
+    returns: jax.Array
+
+
+def _gae_scan(delta_TxB: jax.Array, decay_TxB: jax.Array) -> jax.Array:
+    def step(next_adv, inputs):
+        delta, decay = inputs
+        adv = delta + decay * next_adv
+        return adv, adv
+
+    _, adv = lax.scan(step, jnp.zeros_like(delta_TxB[0]), (delta_TxB, decay_TxB), reverse=True)
+    return adv
+
+
+def _gae_associative(delta_TxB: jax.Array, decay_TxB: jax.Array) -> jax.Array:
+    # A_t = f_t(A_{t+1}) with the affine map f_t(a) = δ_t + c_t·a, and A_t is the
+    # composition f_t ∘ … ∘ f_{T−1} applied to 0. Composition is associative: for a
+    # suffix map `later` = (c', δ') and `earlier` = (c, δ), earlier ∘ later =
+    # (c·c', δ + c·δ'). With reverse=True the scan hands `fn` (later, earlier).
+    def compose(later, earlier):
+        c_later, d_later = later
+        c_earlier, d_earlier = earlier
+        return c_earlier * c_later, d_earlier + c_earlier * d_later
+
+    _, adv = lax.associative_scan(compose, (decay_TxB, delta_TxB), reverse=True, axis=0)
+    return adv
+
+
+def _auto_method(length: int) -> str:
+    # MEASURE-ME
+    # On accelerators a sequential scan pays a kernel launch per step, so the log-depth
+    # form is taken there whatever T.
+    if jax.default_backend() == "cpu" and length <= 128:
+        return "scan"
+    return "associative"
+
+
+def gae(
+    rewards: jax.Array,
+    values: jax.Array,
+    mask: jax.Array,
+    *,
+    gamma: float | jax.Array = 1.0,
+    lam: float | jax.Array = 0.95,
+    method: str = "auto",
+) -> GAEOutput:
+    """Generalized Advantage Estimation on the response axis (Schulman et al. 2016,
+    arXiv:1506.02438), with no bootstrap after the last valid token:
+
+        δ_t = r_t + γ·V_{t+1}·m_{t+1} − V_t
+        A_t = δ_t + γλ·m_{t+1}·A_{t+1}        (right to left, A_T = 0, m_T = 0)
+        R_t = A_t + V_t
+        A_t = R_t = 0 where m_t = 0
+
+    Values beyond the last valid token count as 0, whatever the padding holds.
+
+    Args:
+      rewards: `[B, T]` response-aligned per-token rewards (e.g. `shape_rewards`).
+      values: `[B, T]` critic values `V_t` of the state that predicts `y_t`.
+      mask: `[B, T]` bool or float; valid tokens are a contiguous prefix.
+      gamma: discount γ.
+      lam: GAE λ.
+      method: "scan" (sequential `lax.scan`, O(T) steps), "associative"
+        (`lax.associative_scan`, O(log T) depth) or "auto" (picked per backend and `T`
+        from measurements, see `_auto_method`). All give the same numbers up to float
+        rounding.
+
+    Returns:
+      `GAEOutput(advantages, returns)`, each `[B, T]` float32 (not whitened: see `whiten`).
+    """
+    fn = "gae"
+    _checks.choice(fn, "method", method, GAE_METHODS)
+    rewards = _checks.float_array(fn, "rewards", rewards, ("B", "T"))
+    values = _checks.float_like(fn, "values", values, ("B", "T"), "rewards", rewards.shape)
+    mask = _checks.mask_like(fn, mask, ("B", "T"), "rewards", rewards.shape)
+    if method == "auto":
+        method = _auto_method(rewards.shape[1])
+
+    gamma = jnp.asarray(gamma, jnp.float32)
+    lam = jnp.asarray(lam, jnp.float32)
+    rewards = jnp.where(mask, rewards, 0.0)
+    values = jnp.where(mask, values, 0.0)
+    next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
+    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
+    delta = rewards + gamma * next_values * next_mask - values
+    decay = gamma * lam * next_mask
+
+    solve = _gae_scan if method == "scan" else _gae_associative
+    adv = solve(delta.T, decay.T).T  # time-major inside: the scan walks the leading axis
+    adv = jnp.where(mask, adv, 0.0)
+    return GAEOutput(advantages=adv, returns=jnp.where(mask, adv + values, 0.0))
+
+
+def whiten(
+    x: jax.Array, mask: jax.Array, *, shift_mean: bool = True, eps: float = 1e-8
+) -> jax.Array:
+    """Normalises `x` with the mean and population variance of its valid tokens.
+
+        μ = Σ m·x / Σ m,   σ² = Σ m·(x − μ)² / Σ m   (over the whole batch)
+        out = (x − μ) / sqrt(σ² + ε)              (shift_mean=True)
+        out = (x − μ) / sqrt(σ² + ε) + μ          (shift_mean=False: the mean is kept)
+
+    Padding positions come out 0. With no valid token at all the output is all 0.
+
+    Args:
+      x: `[B, T]` response-aligned values (typically GAE advantages).
+      mask: `[B, T]` bool or float, 1 on valid tokens.
+      shift_mean: whether the output is centred.
+      eps: ε added to the variance.
+
+    Returns:
+      `[B, T]` float32.
+    """
+    fn = "whiten"
+    x = _checks.float_array(fn, "x", x, ("B", "T"))
+    mask = _checks.mask_like(fn, mask, ("B", "T"), "x", x.shape)
+    x = jnp.where(mask, x, 0.0)
+    mean = _masked.masked_mean(x, mask)
+    var = _masked.masked_var(x, mask)
+    out = (x - mean) * lax.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(mask, out, 0.0)
+
+
+def group_advantages(
+    scores: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6
+) -> jax.Array:
+    """Critic-free advantages from groups of `G` responses to the same prompt.
+
+    `scores` `[N]`, `N = prompts·G`, groups contiguous. Per group `g`:
+
+    - "grpo" (Shao et al. 2024, arXiv:2402.03300): `(s_i − mean_g) / (std_g + ε)` with the
+      unbiased std (ddof = 1);
+    - "dr_grpo" (Liu et al. 2025, arXiv:2503.20783): `s_i − mean_g`;
+    - "rloo" (Ahmadian et al. 2024, arXiv:2402.14740): `s_i − (Σ_{j≠i} s_j)/(G − 1)`.
+
+    A group whose scores are all equal gets 0 (never NaN) under every method.
+
+    Args:
+      scores: `[N]` sequence scores.
+      group_size: `G ≥ 2`, a static int dividing `N`.
+      method: "grpo", "dr_grpo" or "rloo".
+      eps: ε of "grpo".
+
+    Returns:
+      `[N]` float32 sequence advantages (see `broadcast_sequence` for `[N, T]`).
+    """
+    fn = "group_advantages"
+    _checks.choice(fn, "method", method, GROUP_METHODS)
+    scores = _checks.float_array(fn, "scores", scores, ("N",))
+    n = scores.shape[0]
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
+        raise ValueError(f"{fn}: `group_size` must be an int >= 2, got {group_size!r}")
+    if n % group_size:
+        raise ValueError(
+            f"{fn}: `scores` has N = {n} entries, not a multiple of group_size = {group_size} "
+            "(groups must be complete and contiguous)"
+        )
+    s = scores.reshape(n // group_size, group_size)
+    total = jnp.sum(s, axis=1, keepdims=True)
+    mean = total / group_size
+    if method == "rloo":
+        adv = s - (total - s) / (group_size - 1)
+    elif method == "dr_grpo":
+        adv = s - mean
+    else:
+        var = jnp.sum(jnp.square(s - mean), axis=1, keepdims=True) / (group_size - 1)
+        # sqrt'(0) is inf: keep the equal-scores group out of it so gradients stay finite.
+        std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+        adv = (s - mean) / (std + eps)
+    return adv.reshape(n)
+
+
+def broadcast_sequence(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Puts a per-sequence value on every valid token: `out[b, t] = m[b, t] · x[b]`.
+
+    Args:
+      x: `[B]` sequence values (e.g. `group_advantages`).
+      mask: `[B, T]` bool or float, 1 on valid response tokens.
+
+    Returns:
+      `[B, T]` float32, 0 on padding.
+    """
+    fn = "broadcast_sequence"
+    mask = _checks.array(fn, "mask", mask, ("B", "T")).astype(jnp.bool_)
+    x = _checks.float_like(fn, "x", x, ("B",), "mask[:, 0]", mask.shape[:1])
+    return jnp.where(mask, x[:, None], 0.0)
