@@ -1,0 +1,63 @@
+"""Data: the built-in arithmetic task, padding and batching, JSONL/Parquet/TFDS readers, rewards.
+
+    from jaxrlhf import data
+    task = data.AdditionTask(num_digits=2, reverse_answer=True)
+    train = data.make_problems(task, 5000, split="train", seed=0)
+    batch = data.sft_batch(train.prompt_ids, train.answer_ids,
+                           prompt_len=task.prompt_len, response_len=task.response_len)
+
+`data.tfds` (TensorFlow Datasets) is not imported here: import `jaxrlhf.data.tfds` to use it.
+"""
+
+from jaxrlhf.data.arithmetic import (
+    AdditionTask,
+    PreferencePairs,
+    Problems,
+    format_answer,
+    format_prompt,
+    is_held_out,
+    make_preference_pairs,
+    make_problems,
+    parse_answer,
+)
+from jaxrlhf.data.batching import (
+    BatchIterator,
+    epoch_permutation,
+    eval_batches,
+    left_pad,
+    preference_batch,
+    prompt_response_batch,
+    right_pad,
+    sft_batch,
+)
+from jaxrlhf.data.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, CharTokenizer
+from jaxrlhf.data.jsonl import read_preference_pairs, read_prompts, read_records
+from jaxrlhf.data.records import (
+    DataError,
+    PairData,
+    PromptData,
+    SkipReport,
+    pairs_from_records,
+    prompts_from_records,
+)
+from jaxrlhf.data.rewards import exact_match, exact_match_reward, token_match_fraction, token_match_reward
+from jaxrlhf.data.text_rewards import (
+    decode_responses,
+    exact_match_text,
+    extract_final_answer,
+    final_answer_reward,
+    normalize_number,
+)
+
+__all__ = [
+    "AdditionTask", "PreferencePairs", "Problems", "format_answer", "format_prompt", "is_held_out",
+    "make_preference_pairs", "make_problems", "parse_answer",
+    "BatchIterator", "epoch_permutation", "eval_batches", "left_pad", "preference_batch",
+    "prompt_response_batch", "right_pad", "sft_batch",
+    "BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "CharTokenizer",
+    "read_preference_pairs", "read_prompts", "read_records",
+    "DataError", "PairData", "PromptData", "SkipReport", "pairs_from_records", "prompts_from_records",
+    "exact_match", "exact_match_reward", "token_match_fraction", "token_match_reward",
+    "decode_responses", "exact_match_text", "extract_final_answer", "final_answer_reward",
+    "normalize_number",
+]
