@@ -82,6 +82,11 @@ def load_records(
     except tfds.core.registered.DatasetNotFoundError as e:
         first_line = str(e).splitlines()[0] if str(e) else repr(e)
         raise ValueError(f"TFDS: {first_line} (check the name, e.g. with `tfds.list_builders()`)") from None
+    except NotImplementedError as e:  # TFDS: "Random access data source ... TFRECORD ..."
+        raise TensorFlowRequiredError(
+            f"TFDS dataset {label!r} ({split}) is not prepared as array_record under "
+            f"{data_dir or 'the default data_dir'}: pass download=True to prepare it that way "
+            f"(needs network), or, to read a TFRecord copy, {_INSTALL_HINT}") from e
     except ImportError as e:
         if _is_missing_tensorflow(e):
             raise TensorFlowRequiredError(f"TFDS dataset {label!r} ({split}) needs TensorFlow: {_INSTALL_HINT}") from e

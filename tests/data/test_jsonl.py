@@ -1,0 +1,109 @@
+"""JSONL/Parquet readers: field names, clear errors naming file:line and field, skip counts."""
+
+import json
+
+import pytest
+
+from jaxrlhf.data import jsonl
+from jaxrlhf.data.char_tokenizer import BOS_ID, CharTokenizer
+from jaxrlhf.data.records import DataError
+
+TOK = CharTokenizer()
+
+
+def _write(path, lines):
+    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    return path
+
+
+def test_reads_prompts_with_custom_keys(tmp_path):
+    p = _write(tmp_path / "d.jsonl", [{"question": "1+2=", "answer": "3"}, "", {"question": "10+5=", "answer": 15}])
+    data = jsonl.read_prompts(p, TOK, prompt_key="question", answer_key="answer")
+    assert data.prompt_text == ["1+2=", "10+5="]
+    assert data.prompt_ids[0] == [BOS_ID] + TOK.encode("1+2=")
+    assert data.answer == ["3", "15"]  # numbers are kept as text
+    assert data.location == [f"{p}:1", f"{p}:3"]  # the blank line 2 is ignored
+    assert data.skipped.total == 0
+    assert jsonl.read_prompts(p, TOK, prompt_key="question", answer_key=None).answer == [None, None]
+
+
+@pytest.mark.parametrize("line, field, reason, message", [
+    ('{"prompt": "1+2=", ', None, "invalid_json", "invalid JSON"),
+    ('[1, 2]', None, "not_an_object", "expected a JSON object, got list"),
+    ({"answer": "3"}, "prompt", "missing_key", "missing"),
+    ({"prompt": 12, "answer": "3"}, "prompt", "wrong_type", "expected a string, got int"),
+    ({"prompt": "1+2=", "answer": ["3"]}, "answer", "wrong_type", "expected a string or a number, got list"),
+    ({"prompt": "  ", "answer": "3"}, "prompt", "empty", "is empty"),
+    ({"prompt": "1+2=a", "answer": "3"}, "prompt", "untokenizable", "'a' is not in the vocabulary"),
+    ({"prompt": "111+222=", "answer": "333"}, "prompt", "too_long", "has 9 tokens, more than max_prompt_tokens=8"),
+])
+def test_errors_name_file_line_and_field(tmp_path, line, field, reason, message):
+    p = _write(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}, line])
+    with pytest.raises(DataError) as info:
+        jsonl.read_prompts(p, TOK, max_prompt_tokens=8)
+    err = info.value
+    assert (err.location, err.field, err.reason) == (f"{p}:2", field, reason)
+    assert str(err).startswith(f"{p}:2: field '{field}': " if field else f"{p}:2: ")
+    assert message in str(err)
+
+
+def test_skip_mode_counts_per_reason(tmp_path, caplog):
+    p = _write(tmp_path / "mixed.jsonl", [
+        {"prompt": "1+1=", "answer": "2"},
+        "not json",
+        {"prompt": "", "answer": "0"},
+        {"prompt": "2+2="},
+        {"prompt": 5, "answer": "5"},
+        "{broken",
+        {"prompt": "3+3=", "answer": "6"},
+    ])
+    data = jsonl.read_prompts(p, TOK, on_error="skip")
+    assert data.prompt_text == ["1+1=", "3+3="]
+    assert dict(data.skipped.counts) == {"invalid_json": 2, "empty": 1, "missing_key": 1, "wrong_type": 1}
+    assert data.skipped.total == 5
+    assert f"{p}:2" in data.skipped.messages[0]
+    assert "skipped 5 records" in caplog.text
+    with pytest.raises(ValueError, match="on_error"):
+        jsonl.read_prompts(p, TOK, on_error="ignore")
+
+
+def test_preference_pairs_and_their_errors(tmp_path):
+    p = _write(tmp_path / "pairs.jsonl", [
+        {"q": "1+2=", "good": "3", "bad": "4"},
+        {"q": "1+2=", "good": "3"},
+        {"q": "1+2=", "good": "3", "bad": "4444"},
+    ])
+    keys = dict(prompt_key="q", chosen_key="good", rejected_key="bad")
+    pairs = jsonl.read_preference_pairs(p, TOK, max_response_tokens=3, on_error="skip", **keys)
+    assert pairs.chosen_ids == [TOK.encode("3")] and pairs.rejected_text == ["4"]
+    assert dict(pairs.skipped.counts) == {"missing_key": 1, "too_long": 1}
+    with pytest.raises(DataError, match=rf"{p}:2: field 'bad': missing"):
+        jsonl.read_preference_pairs(p, TOK, **keys)
+
+
+def test_chat_template_is_applied(tmp_path):
+    hf = CharTokenizer().to_hf()
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}={% endif %}")
+    p = _write(tmp_path / "chat.jsonl", [
+        {"prompt": "1+2", "answer": "3"},
+        {"prompt": [{"role": "user", "content": "4+4"}], "answer": "8"},
+        {"prompt": [{"role": "user"}], "answer": "8"},
+    ])
+    data = jsonl.read_prompts(p, hf, chat_template=True, on_error="skip")
+    assert data.prompt_text == ["<bos>1+2=", "<bos>4+4="]
+    assert data.prompt_ids[0] == [BOS_ID] + TOK.encode("1+2=")  # one BOS: the template's
+    assert dict(data.skipped.counts) == {"wrong_type": 1}
+    with pytest.raises(ValueError, match="no chat template"):
+        jsonl.read_prompts(p, TOK, chat_template=True)
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["1+2=", ""], "answer": ["3", "0"]}), p)
+    with pytest.raises(DataError, match=rf"{p}:2: field 'prompt': is empty"):
+        jsonl.read_prompts(p, TOK)
+    assert jsonl.read_prompts(p, TOK, on_error="skip").answer == ["3"]
