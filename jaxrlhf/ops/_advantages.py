@@ -177,6 +177,10 @@ def group_advantages(
             "(groups must be complete and contiguous)"
         )
     s = scores.reshape(n // group_size, group_size)
+    # Every formula is invariant to a per-group shift; subtracting the group's first score
+    # makes an all-equal group exactly 0 before any division (XLA may divide by a constant
+    # through its rounded reciprocal, and 1e3·(1 − 3·fl(1/3)) would then pass for signal).
+    s = s - s[:, :1]
     total = jnp.sum(s, axis=1, keepdims=True)
     mean = total / group_size
     if method == "rloo":

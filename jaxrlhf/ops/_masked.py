@@ -24,7 +24,9 @@ def _same_shape(fn: str, x, mask) -> tuple[jax.Array, jax.Array]:
     mask = jnp.asarray(mask)
     if x.shape != mask.shape:
         raise ValueError(f"{fn}: `mask` must have the shape of `x` = {x.shape}, got {mask.shape}")
-    return jnp.asarray(x, jnp.float32), mask.astype(jnp.bool_)
+    mask = mask.astype(jnp.bool_)
+    # Zeroed before any arithmetic, so the gradient of e.g. (x − μ)² never sees inf·0.
+    return jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0), mask
 
 
 def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -36,20 +38,20 @@ def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
 def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     """`Σ m·x` over `axis` (all axes by default); `mask` has the shape of `x`."""
     x, mask = _same_shape("masked_sum", x, mask)
-    return jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
+    return jnp.sum(x, axis=axis)
 
 
 def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     """`Σ m·x / Σ m` over `axis`; 0 where there is no valid entry (not NaN)."""
     x, mask = _same_shape("masked_mean", x, mask)
-    return _safe_div(jnp.sum(jnp.where(mask, x, 0.0), axis=axis), jnp.sum(mask, axis=axis))
+    return _safe_div(jnp.sum(x, axis=axis), jnp.sum(mask, axis=axis))
 
 
 def masked_var(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     """Population variance (ddof = 0) of the valid entries over `axis`; 0 if none."""
     x, mask = _same_shape("masked_var", x, mask)
     count = jnp.sum(mask, axis=axis, keepdims=True)
-    mean = _safe_div(jnp.sum(jnp.where(mask, x, 0.0), axis=axis, keepdims=True), count)
+    mean = _safe_div(jnp.sum(x, axis=axis, keepdims=True), count)
     sq = jnp.where(mask, jnp.square(x - mean), 0.0)
     return _safe_div(jnp.sum(sq, axis=axis), jnp.sum(mask, axis=axis))
 

@@ -1,0 +1,240 @@
+"""Float64 NumPy references for `jaxrlhf.ops`, written from SPEC §2–5 with explicit loops.
+
+Deliberately naive and independent of the implementation: python loops over `b` and `t`,
+`math` for scalars, and the SPEC formulas read literally. Masks are 0/1 and valid tokens a
+contiguous prefix of length `len_b = Σ_t mask[b, t]`.
+"""
+
+import math
+
+import numpy as np
+
+
+def _f64(*xs):
+    return [np.asarray(x, dtype=np.float64) for x in xs]
+
+
+def _log_sigmoid(z):
+    # log σ(z) = −log(1 + e^{−z}), written to avoid overflow for either sign of z.
+    return -math.log1p(math.exp(-z)) if z >= 0 else z - math.log1p(math.exp(z))
+
+
+def token_logprobs(logits, targets, temperature=1.0):
+    (logits,) = _f64(logits)
+    b_size, t_size, v_size = logits.shape
+    out = np.zeros((b_size, t_size))
+    for b in range(b_size):
+        for t in range(t_size):
+            x = [logits[b, t, v] / temperature for v in range(v_size)]
+            m = max(x)
+            lse = m + math.log(sum(math.exp(xv - m) for xv in x))
+            out[b, t] = x[int(targets[b, t])] - lse
+    return out
+
+
+def entropy(logits, temperature=1.0):
+    (logits,) = _f64(logits)
+    b_size, t_size, v_size = logits.shape
+    out = np.zeros((b_size, t_size))
+    for b in range(b_size):
+        for t in range(t_size):
+            x = [logits[b, t, v] / temperature for v in range(v_size)]
+            m = max(x)
+            z = sum(math.exp(xv - m) for xv in x)
+            h = 0.0
+            for xv in x:
+                p = math.exp(xv - m) / z
+                if p > 0:
+                    h -= p * math.log(p)
+            out[b, t] = h
+    return out
+
+
+def kl(logp, ref_logp, estimator):
+    logp, ref_logp = _f64(logp, ref_logp)
+    out = np.zeros(logp.shape)
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            d = logp[b, t] - ref_logp[b, t]
+            if estimator == "k1":
+                out[b, t] = d
+            elif estimator == "k2":
+                out[b, t] = d * d / 2
+            else:
+                out[b, t] = math.exp(-d) - 1 + d
+    return out
+
+
+def shape_rewards(scores, kl_bt, mask, beta):
+    scores, kl_bt, mask = _f64(scores, kl_bt, mask)
+    out = np.zeros(kl_bt.shape)
+    for b in range(kl_bt.shape[0]):
+        length = int(sum(mask[b]))
+        for t in range(kl_bt.shape[1]):
+            if mask[b, t]:
+                out[b, t] = -beta * kl_bt[b, t]
+            if t == length - 1:
+                out[b, t] += scores[b]
+    return out
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    rewards, values, mask = _f64(rewards, values, mask)
+    b_size, t_size = rewards.shape
+    adv = np.zeros((b_size, t_size))
+    ret = np.zeros((b_size, t_size))
+    for b in range(b_size):
+        next_adv = 0.0
+        for t in reversed(range(t_size)):
+            if not mask[b, t]:
+                next_adv = 0.0
+                continue
+            m_next = mask[b, t + 1] if t + 1 < t_size else 0.0
+            v_next = values[b, t + 1] if m_next else 0.0
+            delta = rewards[b, t] + gamma * v_next * m_next - values[b, t]
+            a = delta + gamma * lam * m_next * next_adv
+            adv[b, t] = a
+            ret[b, t] = a + values[b, t]
+            next_adv = a
+    return adv, ret
+
+
+def whiten(x, mask, shift_mean=True, eps=1e-8):
+    x, mask = _f64(x, mask)
+    vals = [x[b, t] for b in range(x.shape[0]) for t in range(x.shape[1]) if mask[b, t]]
+    out = np.zeros(x.shape)
+    if not vals:
+        return out
+    mu = sum(vals) / len(vals)
+    var = sum((v - mu) ** 2 for v in vals) / len(vals)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            if mask[b, t]:
+                w = (x[b, t] - mu) / math.sqrt(var + eps)
+                out[b, t] = w if shift_mean else w + mu
+    return out
+
+
+def group_advantages(scores, group_size, method="grpo", eps=1e-6):
+    (scores,) = _f64(scores)
+    out = np.zeros(scores.shape)
+    for start in range(0, len(scores), group_size):
+        group = list(scores[start : start + group_size])
+        mean = sum(group) / group_size
+        std = math.sqrt(sum((s - mean) ** 2 for s in group) / (group_size - 1))
+        for i, s in enumerate(group):
+            if method == "grpo":
+                out[start + i] = (s - mean) / (std + eps)
+            elif method == "dr_grpo":
+                out[start + i] = s - mean
+            else:
+                others = sum(group) - s
+                out[start + i] = s - others / (group_size - 1)
+    return out
+
+
+def aggregate(x, mask, mode="token-mean", norm_len=None):
+    x, mask = _f64(x, mask)
+    b_size, t_size = x.shape
+    if mode == "token-mean":
+        num = sum(x[b, t] for b in range(b_size) for t in range(t_size) if mask[b, t])
+        den = sum(mask[b, t] for b in range(b_size) for t in range(t_size))
+        return num / den if den else 0.0
+    if mode == "seq-mean-token-mean":
+        total = 0.0
+        for b in range(b_size):
+            n = sum(mask[b])
+            if n:
+                total += sum(x[b, t] for t in range(t_size) if mask[b, t]) / n
+        return total / b_size
+    total = sum(x[b, t] for b in range(b_size) for t in range(t_size) if mask[b, t])
+    if mode == "seq-mean-token-sum":
+        return total / b_size
+    return total / (b_size * norm_len)
+
+
+def policy_loss(
+    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=None, dual_clip=None,
+    agg="token-mean", norm_len=None,
+):
+    logp, old_logp, advantages, mask = _f64(logp, old_logp, advantages, mask)
+    if clip_high is None:
+        clip_high = clip_low
+    per_token = np.zeros(logp.shape)
+    clipped_count, count, kl_sum, ratios = 0, 0, 0.0, []
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[b, t]:
+                continue
+            a = advantages[b, t]
+            rho = math.exp(logp[b, t] - old_logp[b, t])
+            l1 = -a * rho
+            l2 = -a * min(max(rho, 1 - clip_low), 1 + clip_high)
+            loss = max(l1, l2)
+            if dual_clip is not None and a < 0:
+                loss = min(loss, -dual_clip * a)
+            per_token[b, t] = loss
+            count += 1
+            clipped_count += l2 > l1
+            kl_sum += rho - 1 - math.log(rho)
+            ratios.append(rho)
+    metrics = {
+        "clipfrac": clipped_count / count if count else 0.0,
+        "approx_kl": kl_sum / count if count else 0.0,
+        "ratio_mean": sum(ratios) / count if count else 0.0,
+        "ratio_max": max(ratios) if ratios else 0.0,
+        "ratio_min": min(ratios) if ratios else 0.0,
+    }
+    return aggregate(per_token, mask, agg, norm_len), metrics
+
+
+def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean", norm_len=None):
+    values, old_values, returns, mask = _f64(values, old_values, returns, mask)
+    per_token = np.zeros(values.shape)
+    clipped_count, count = 0, 0
+    for b in range(values.shape[0]):
+        for t in range(values.shape[1]):
+            if not mask[b, t]:
+                continue
+            v, v_old, r = values[b, t], old_values[b, t], returns[b, t]
+            e1 = (v - r) ** 2
+            if clip is None:
+                per_token[b, t] = 0.5 * e1
+            else:
+                v_clip = v_old + min(max(v - v_old, -clip), clip)
+                e2 = (v_clip - r) ** 2
+                per_token[b, t] = 0.5 * max(e1, e2)
+                clipped_count += e2 > e1
+            count += 1
+    clipfrac = clipped_count / count if count else 0.0
+    return aggregate(per_token, mask, agg, norm_len), {"clipfrac": clipfrac}
+
+
+def dpo_loss(
+    chosen, rejected, ref_chosen, ref_rejected, beta=0.1, loss_type="sigmoid",
+    label_smoothing=0.0,
+):
+    chosen, rejected, ref_chosen, ref_rejected = _f64(chosen, rejected, ref_chosen, ref_rejected)
+    losses, zs, correct = [], [], 0
+    for i in range(len(chosen)):
+        z = beta * ((chosen[i] - ref_chosen[i]) - (rejected[i] - ref_rejected[i]))
+        if loss_type == "sigmoid":
+            ls = label_smoothing
+            losses.append(-(1 - ls) * _log_sigmoid(z) - ls * _log_sigmoid(-z))
+        elif loss_type == "ipo":
+            losses.append((z / beta - 1 / (2 * beta)) ** 2)
+        else:
+            losses.append(max(0.0, 1 - z))
+        zs.append(z)
+        correct += z > 0
+    n = len(chosen)
+    return sum(losses) / n, {"margin": sum(zs) / n, "reward_accuracy": correct / n}
+
+
+def reward_model_loss(chosen, rejected, margin=None):
+    chosen, rejected = _f64(chosen, rejected)
+    n = len(chosen)
+    margins = np.broadcast_to(np.zeros(()) if margin is None else np.asarray(margin, float), (n,))
+    losses = [-_log_sigmoid(chosen[i] - rejected[i] - margins[i]) for i in range(n)]
+    accuracy = sum(chosen[i] > rejected[i] for i in range(n)) / n
+    return sum(losses) / n, {"accuracy": accuracy}

@@ -1,0 +1,133 @@
+"""GAE, group advantages and whitening against loop references and hand values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxrlhf import ops
+from tests.ops import inputs, reference
+
+B, T = 5, 8
+METHODS = ["scan", "associative", "auto"]
+
+
+def _rewards_values(seed):
+    rng = np.random.default_rng(seed)
+    rewards, values = rng.standard_normal((2, B, T)).astype(np.float32)
+    return rewards, values, inputs.random_mask(rng, B, T)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_reference(method, gamma, lam):
+    rewards, values, mask = _rewards_values(0)
+    out = ops.gae(rewards, values, mask, gamma=gamma, lam=lam, method=method)
+    adv, ret = reference.gae(rewards, values, mask, gamma, lam)
+    assert isinstance(out, ops.GAEOutput)
+    np.testing.assert_allclose(out.advantages, adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.returns, ret, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_hand_values():
+    # One valid token (then padding with a value that must be ignored):
+    #   δ_0 = r_0 + γ·V_1·m_1 − V_0 = 1 + 1·5·0 − 0.25 = 0.75;  A_0 = δ_0 = 0.75;
+    #   R_0 = A_0 + V_0 = 1.0.
+    adv, ret = ops.gae(jnp.array([[1.0, 2.0]]), jnp.array([[0.25, 5.0]]), jnp.array([[1, 0]]))
+    np.testing.assert_allclose(adv, [[0.75, 0.0]])
+    np.testing.assert_allclose(ret, [[1.0, 0.0]])
+    # Two tokens, γ = 1, λ = 0.5, r = [0, 1], V = [0.5, 0.25]:
+    #   δ_1 = 1 − 0.25 = 0.75 (no bootstrap after the last token), A_1 = 0.75;
+    #   δ_0 = 0 + 0.25 − 0.5 = −0.25, A_0 = −0.25 + 0.5·0.75 = 0.125.
+    adv, ret = ops.gae(jnp.array([[0.0, 1.0]]), jnp.array([[0.5, 0.25]]), jnp.ones((1, 2)), lam=0.5)
+    np.testing.assert_allclose(adv, [[0.125, 0.75]])
+    np.testing.assert_allclose(ret, [[0.625, 1.0]])
+
+
+def test_gae_methods_agree_on_long_sequences():
+    rng = np.random.default_rng(1)
+    rewards, values = rng.standard_normal((2, 3, 300)).astype(np.float32)
+    mask = inputs.prefix_mask([0, 150, 300], 300)
+    scan = ops.gae(rewards, values, mask, method="scan")
+    assoc = ops.gae(rewards, values, mask, method="associative")
+    np.testing.assert_allclose(assoc.advantages, scan.advantages, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
+def test_group_advantages_match_reference(method):
+    scores = np.random.default_rng(2).standard_normal(12).astype(np.float32)
+    got = ops.group_advantages(scores, 4, method=method)
+    want = reference.group_advantages(scores, 4, method)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_hand_values():
+    # Group [1, 2, 3]: mean 2, unbiased std sqrt((1 + 0 + 1)/2) = 1.
+    # grpo: [−1, 0, 1]/(1 + ε); dr_grpo: [−1, 0, 1]; rloo: 1 − (2+3)/2 = −1.5, 0, 1.5.
+    s = jnp.array([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(ops.group_advantages(s, 3), [-1.0, 0.0, 1.0], rtol=1e-5)
+    np.testing.assert_allclose(ops.group_advantages(s, 3, method="dr_grpo"), [-1.0, 0.0, 1.0])
+    np.testing.assert_allclose(ops.group_advantages(s, 3, method="rloo"), [-1.5, 0.0, 1.5])
+
+
+_group_adv = jax.jit(ops.group_advantages, static_argnames=("group_size", "method"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.floats(-1e3, 1e3, width=32), min_size=3, max_size=3),
+    st.sampled_from(["grpo", "dr_grpo", "rloo"]),
+)
+def test_equal_scores_give_zero_never_nan(group_values, method):
+    # Three groups of G = 4, each group with one repeated score.
+    scores = np.repeat(np.asarray(group_values, np.float32), 4)
+    adv = _group_adv(scores, group_size=4, method=method)
+    np.testing.assert_array_equal(adv, np.zeros(12))
+    grad = jax.grad(lambda s: jnp.sum(_group_adv(s, group_size=4, method=method) ** 2))(scores)
+    assert np.all(np.isfinite(grad))
+
+
+def test_group_advantages_bad_arguments():
+    with pytest.raises(ValueError, match="N = 7 entries, not a multiple of group_size = 2"):
+        ops.group_advantages(jnp.zeros(7), 2)
+    with pytest.raises(ValueError, match="`group_size` must be an int >= 2"):
+        ops.group_advantages(jnp.zeros(4), 1)
+    with pytest.raises(ValueError, match="valid choices are 'grpo', 'dr_grpo', 'rloo'"):
+        ops.group_advantages(jnp.zeros(4), 2, method="ppo")
+    with pytest.raises(ValueError, match=r"`scores` must have shape \[N\]"):
+        ops.group_advantages(jnp.zeros((2, 2)), 2)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_matches_reference(shift_mean):
+    rng = np.random.default_rng(3)
+    x = (3.0 + 2.0 * rng.standard_normal((B, T))).astype(np.float32)
+    mask = inputs.random_mask(rng, B, T)
+    got = ops.whiten(x, mask, shift_mean=shift_mean)
+    np.testing.assert_allclose(got, reference.whiten(x, mask, shift_mean), rtol=1e-5, atol=1e-5)
+
+
+def test_whiten_hand_values_and_empty_batch():
+    # Valid [1, 3]: μ = 2, σ² = 1 → [−1, 1]/sqrt(1 + 1e-8); padding comes out 0.
+    got = ops.whiten(jnp.array([[1.0, 3.0, 100.0]]), jnp.array([[1, 1, 0]]))
+    np.testing.assert_allclose(got, [[-1.0, 1.0, 0.0]], rtol=1e-6)
+    np.testing.assert_array_equal(ops.whiten(jnp.ones((2, 3)), jnp.zeros((2, 3))), 0.0)
+
+
+def test_broadcast_sequence():
+    got = ops.broadcast_sequence(jnp.array([2.0, -1.0]), jnp.array([[1, 1, 0], [1, 0, 0]]))
+    np.testing.assert_array_equal(got, [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]])
+
+
+def test_gae_bad_arguments():
+    rewards, values, mask = _rewards_values(4)
+    with pytest.raises(ValueError, match=r"gae: `values` must have shape \[B, T\] = \(5, 8\) like `rewards`, got \(5, 7\)"):
+        ops.gae(rewards, values[:, :-1], mask)
+    with pytest.raises(ValueError, match="`mask` must have shape"):
+        ops.gae(rewards, values, mask[:1])
+    with pytest.raises(ValueError, match=r"`rewards` must have shape \[B, T\] \(rank 2\)"):
+        ops.gae(rewards[0], values[0], mask[0])
+    with pytest.raises(ValueError, match="valid choices are 'auto', 'scan', 'associative'"):
+        ops.gae(rewards, values, mask, method="loop")
