@@ -2,9 +2,10 @@
 
     from jaxrlhf import data
     task = data.AdditionTask(num_digits=2, reverse_answer=True)
-    train = data.make_problems(task, 5000, split="train", seed=0)
-    batch = data.sft_batch(train.prompt_ids, train.answer_ids,
-                           prompt_len=task.prompt_len, response_len=task.response_len)
+    train = data.sft_arrays(task, data.make_problems(task, 5000, split="train", seed=0))
+    it = data.BatchIterator(5000, 64, seed=0)      # it.position goes into checkpoints
+    idx = next(it)
+    batch = {k: v[idx] for k, v in train.items()}  # tokens, input_mask, loss_mask, ...
 
 `data.tfds` (TensorFlow Datasets) is not imported here: import `jaxrlhf.data.tfds` to use it.
 """
@@ -19,6 +20,9 @@ from jaxrlhf.data.arithmetic import (
     make_preference_pairs,
     make_problems,
     parse_answer,
+    preference_arrays,
+    rl_arrays,
+    sft_arrays,
 )
 from jaxrlhf.data.batching import (
     BatchIterator,
@@ -51,7 +55,8 @@ from jaxrlhf.data.text_rewards import (
 
 __all__ = [
     "AdditionTask", "PreferencePairs", "Problems", "format_answer", "format_prompt", "is_held_out",
-    "make_preference_pairs", "make_problems", "parse_answer",
+    "make_preference_pairs", "make_problems", "parse_answer", "preference_arrays", "rl_arrays",
+    "sft_arrays",
     "BatchIterator", "epoch_permutation", "eval_batches", "left_pad", "preference_batch",
     "prompt_response_batch", "right_pad", "sft_batch",
     "BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "CharTokenizer",

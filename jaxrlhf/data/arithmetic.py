@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxrlhf.data import batching
 from jaxrlhf.data.char_tokenizer import CharTokenizer
 
 SPLITS = ("train", "test")
@@ -250,3 +251,32 @@ def make_preference_pairs(
         kind=kinds,
     )
 
+
+# Whole-set arrays: the task is small, so pad everything once and gather rows per step,
+# e.g. `{k: v[idx] for k, v in arrays.items()}` with `idx = next(batch_iterator)`.
+
+
+def sft_arrays(task: AdditionTask, problems: Problems) -> dict[str, np.ndarray]:
+    """All problems as one SFT batch (`batching.sft_batch`): response = answer ⧺ EOS,
+    `loss_mask` on response tokens only. Shapes [N, P], [N, T] and [N, P + T]."""
+    return batching.sft_batch(problems.prompt_ids, problems.answer_ids,
+                              prompt_len=task.prompt_len, response_len=task.response_len)
+
+
+def rl_arrays(task: AdditionTask, problems: Problems) -> dict[str, np.ndarray]:
+    """Prompts for sampling and answers for `rewards.exact_match_reward`:
+    prompt_ids/prompt_mask [N, P] (left-padded), answer_ids/answer_mask [N, A] with
+    A = num_digits + 1 (right-padded, no EOS)."""
+    prompt_ids, prompt_mask = batching.left_pad(problems.prompt_ids, task.prompt_len)
+    answer_ids, answer_mask = batching.right_pad(problems.answer_ids, task.response_len - 1)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, answer_ids=answer_ids, answer_mask=answer_mask)
+
+
+def preference_arrays(task: AdditionTask, pairs: PreferencePairs) -> dict[str, np.ndarray]:
+    """All pairs as one `batching.preference_batch` (EOS appended to chosen and rejected).
+
+    A rejected answer can be one token longer than any correct one (a duplicated digit),
+    hence T = response_len + 1.
+    """
+    return batching.preference_batch(pairs.prompt_ids, pairs.chosen_ids, pairs.rejected_ids,
+                                     prompt_len=task.prompt_len, response_len=task.response_len + 1)

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from jaxrlhf.data import batching, rewards
+
 from jaxrlhf.data import arithmetic as ar
 from jaxrlhf.data.char_tokenizer import BOS_ID, CharTokenizer
 
@@ -71,3 +73,21 @@ def test_preference_pairs_are_plausible_and_wrong():
     assert [CharTokenizer().decode(ids) for ids in pairs.rejected_ids] == pairs.rejected_text
     # Forgetting the carries of 58 + 67: units 8+7 -> 5, tens 5+6 -> 1: "15" instead of "125".
     assert ar._digitwise_no_carry(task, 58, 67) == 15
+
+
+def test_whole_set_arrays_fit_and_perfect_answers_score_one():
+    task = ar.AdditionTask(3, reverse_answer=True)
+    problems = ar.make_problems(task, 64, seed=0)
+    sft = ar.sft_arrays(task, problems)
+    assert sft["tokens"].shape == (64, task.prompt_len + task.response_len)
+    row = batching.sft_batch(problems.prompt_ids[5:6], problems.answer_ids[5:6],
+                             prompt_len=task.prompt_len, response_len=task.response_len)
+    assert all(np.array_equal(sft[k][5:6], row[k]) for k in row)
+    rl = ar.rl_arrays(task, problems)
+    # The SFT targets are exactly the responses the reward accepts.
+    score = rewards.exact_match_reward(sft["response_ids"], sft["response_mask"], rl["answer_ids"], rl["answer_mask"])
+    np.testing.assert_array_equal(score, np.ones(64))
+    pairs = ar.make_preference_pairs(task, problems, seed=1)
+    pref = ar.preference_arrays(task, pairs)
+    score = rewards.exact_match_reward(pref["rejected_ids"], pref["rejected_mask"], rl["answer_ids"], rl["answer_mask"])
+    np.testing.assert_array_equal(score, np.zeros(64))
