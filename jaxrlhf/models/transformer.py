@@ -29,7 +29,7 @@ _init = nn.initializers.normal(stddev=0.02)
 
 
 class KVCache(NamedTuple):
-    """One layer's cache: keys and values after RoPE, `[B, S, K, H]` (K kv heads)."""
+    """One layer's cache: keys (after RoPE) and values, head-major `[B, K, S, H]`."""
 
     k: jax.Array
     v: jax.Array
@@ -48,7 +48,7 @@ class ModelOutput(NamedTuple):
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
     """An empty cache of `max_len` slots for each layer."""
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+    shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
     return tuple(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
 
 
@@ -76,20 +76,32 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * x32.astype(self.dtype)
 
 
-class Einsum(nn.Module):
-    """A projection whose kernel has named axes, applied with a lettered einsum."""
+class Projection(nn.Module):
+    """A linear map whose kernel has named axes, `shape = in_shape + out_shape`.
+
+    The input's trailing `len(shape) - n_out` axes are contracted with the kernel's leading
+    ones (`BLD,DNH->BLNH`, `BLNH,NHD->BLD`), computed as one 2-D matmul on merged axes:
+    a multi-axis einsum let XLA:CPU transpose the kernel on every decode step.
+    """
 
     shape: tuple[int, ...]
-    eqn: str
     axes: tuple[str | None, ...]
     bias_axes: tuple[str | None, ...] | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    n_out: int | None = None  # number of output axes; default: all but the first
 
     @nn.compact
     def __call__(self, x):
         w = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype)
-        y = jnp.einsum(self.eqn, x.astype(self.dtype), w.astype(self.dtype))
+        n_out = len(self.shape) - 1 if self.n_out is None else self.n_out
+        n_in = len(self.shape) - n_out
+        in_shape, out_shape = self.shape[:n_in], self.shape[n_in:]
+        if tuple(x.shape[-n_in:]) != tuple(in_shape):
+            raise ValueError(f"{self.name}: input trailing shape {x.shape[-n_in:]} != kernel {in_shape}")
+        lead = x.shape[:-n_in]
+        y = x.astype(self.dtype).reshape(*lead, -1) @ w.astype(self.dtype).reshape(int(np.prod(in_shape)), -1)
+        y = y.reshape(*lead, *out_shape)
         if self.bias_axes is not None:
             b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
                            self.shape[-len(self.bias_axes):], self.param_dtype)
@@ -111,32 +123,41 @@ class Attention(nn.Module):
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        b, l = x_BxLxD.shape[:2]
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
-        proj = lambda name, shape, eqn, axes, bias: Einsum(shape, eqn, axes, bias, dt, pdt, name=name)
-        q = proj("q_proj", (d, n, h), "BLD,DNH->BLNH", ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD)
-        key = proj("k_proj", (d, k, h), "BLD,DKH->BLKH", ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
-        val = proj("v_proj", (d, k, h), "BLD,DKH->BLKH", ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
+        proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out, name=name)
+        q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD)
+        key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
+        val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
             key = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(key)
         q = _rotate(q, cos_BxLxH, sin_BxLxH).astype(dt)
-        key = _rotate(key, cos_BxLxH, sin_BxLxH).astype(dt)
+        # Keys/values live head-major ([B, K, S, H]) so that both attention matmuls read the
+        # cache in place; a [B, S, K, H] cache costs a full transpose of it per decode step.
+        key_BxKxLxH = _rotate(key, cos_BxLxH, sin_BxLxH).astype(dt).transpose(0, 2, 1, 3)
+        val_BxKxLxH = val.transpose(0, 2, 1, 3)
 
         if kv is not None:
-            start = (0, cache_index, 0, 0)
-            kv = KVCache(jax.lax.dynamic_update_slice(kv.k, key.astype(kv.k.dtype), start),
-                         jax.lax.dynamic_update_slice(kv.v, val.astype(kv.v.dtype), start))
-            key, val = kv.k.astype(dt), kv.v.astype(dt)
+            start = (0, 0, cache_index, 0)
+            kv = KVCache(jax.lax.dynamic_update_slice(kv.k, key_BxKxLxH.astype(kv.k.dtype), start),
+                         jax.lax.dynamic_update_slice(kv.v, val_BxKxLxH.astype(kv.v.dtype), start))
+            key_BxKxLxH, val_BxKxLxH = kv.k.astype(dt), kv.v.astype(dt)
 
-        b, l = x_BxLxD.shape[:2]
-        q_BxLxKxGxH = q.reshape(b, l, k, n // k, h)
-        scores = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, key).astype(jnp.float32) * (h ** -0.5)
+        g = n // k
+        s = key_BxKxLxH.shape[2]
+        # Query heads of one kv group are folded into the row axis: one batched matmul per
+        # (batch, kv head), no repeated keys.
+        q_BxKxQxH = q.reshape(b, l, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * l, h)
+        scores = jnp.einsum("BKQH,BKSH->BKQS", q_BxKxQxH, key_BxKxLxH).astype(jnp.float32) * (h ** -0.5)
+        mask_BxQxS = jnp.broadcast_to(mask_BxLxS[:, None], (b, g, l, s)).reshape(b, 1, g * l, s)
         # finfo.min rather than -inf: a fully masked row (a padding query) stays finite.
-        scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask_BxQxS, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("BKGLS,BSKH->BLKGH", probs, val).reshape(b, l, n, h)
-        out = proj("o_proj", (n, h, d), "BLNH,NHD->BLD", ("q_heads", "head_dim", "embed"),
-                   ("embed",) if c.o_bias else None)(out)
+        out = jnp.einsum("BKQS,BKSH->BKQH", probs, val_BxKxLxH)
+        out_BxLxNxH = out.reshape(b, k, g, l, h).transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
+        out = proj("o_proj", (n, h, d), ("q_heads", "head_dim", "embed"), ("embed",) if c.o_bias else None,
+                   n_out=1)(out_BxLxNxH)
         return out, kv
 
 
@@ -149,10 +170,9 @@ class MLP(nn.Module):
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         d, f = c.hidden_size, c.intermediate_size
         bias = lambda ax: (ax,) if c.mlp_bias else None
-        gate = Einsum((d, f), "BLD,DF->BLF", ("embed", "mlp"), bias("mlp"), dt, pdt, name="gate_proj")(x_BxLxD)
-        up = Einsum((d, f), "BLD,DF->BLF", ("embed", "mlp"), bias("mlp"), dt, pdt, name="up_proj")(x_BxLxD)
-        return Einsum((f, d), "BLF,FD->BLD", ("mlp", "embed"), bias("embed"), dt, pdt,
-                      name="down_proj")(jax.nn.silu(gate) * up)
+        gate = Projection((d, f), ("embed", "mlp"), bias("mlp"), dt, pdt, name="gate_proj")(x_BxLxD)
+        up = Projection((d, f), ("embed", "mlp"), bias("mlp"), dt, pdt, name="up_proj")(x_BxLxD)
+        return Projection((f, d), ("mlp", "embed"), bias("embed"), dt, pdt, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -226,7 +246,7 @@ class Transformer(nn.Module):
                 raise ValueError("cache_index is required when a cache is given")
             if len(cache) != c.num_layers:
                 raise ValueError(f"cache has {len(cache)} layers, the model {c.num_layers}")
-            s = cache[0].k.shape[1]
+            s = cache[0].k.shape[2]
             mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
             if mask.shape != (b, s):
                 raise ValueError(f"with a cache, attention_mask must cover all cache slots: "
@@ -257,10 +277,10 @@ class Transformer(nn.Module):
         if self.head in ("lm", "lm_value") and compute_logits:
             logits = self.lm_logits(hidden, embed)
         if self.head == "lm_value":
-            values = Einsum((c.hidden_size, 1), "BLD,DO->BLO", ("embed", None), None, dt, pdt,
+            values = Projection((c.hidden_size, 1), ("embed", None), None, dt, pdt,
                             name="value_head")(hidden)[..., 0].astype(jnp.float32)
         if self.head == "score":
-            values = Einsum((c.hidden_size, 1), "BLD,DO->BLO", ("embed", None), None, dt, pdt,
+            values = Projection((c.hidden_size, 1), ("embed", None), None, dt, pdt,
                             name="score")(hidden)[..., 0].astype(jnp.float32)
         if self.head in ("lm", "lm_value") and not compute_logits and self.is_initializing():
             self.lm_logits(hidden, embed)  # create the LM head's params anyway
@@ -270,8 +290,22 @@ class Transformer(nn.Module):
         c = self.config
         if c.tie_word_embeddings:
             return embed.attend(hidden_BxLxD)
-        return Einsum((c.hidden_size, c.vocab_size), "BLD,DV->BLV", ("embed", "vocab"), None,
+        return Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None,
                       jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name="lm_head")(hidden_BxLxD)
+
+
+def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.Array:
+    """The LM head applied to final hidden states `[..., D] -> [..., V]`, outside `apply`.
+
+    Lets callers project only the positions they need (the sampler's last prompt token, or
+    chunks of a long response) instead of materialising `[B, L, V]` logits.
+    """
+    dt = jnp.dtype(config.dtype)
+    if config.tie_word_embeddings:
+        w_DxV = params["embed_tokens"]["embedding"].astype(dt).T
+    else:
+        w_DxV = params["lm_head"]["kernel"].astype(dt)
+    return hidden_BxLxD.astype(dt) @ w_DxV
 
 
 def init_params(model: Transformer, rng: jax.Array, *, seq_len: int = 8):
