@@ -1,0 +1,236 @@
+"""Autoregressive sampling with a static KV cache, compiled once per shape.
+
+The prompt is prefilled in one forward pass; a `lax.while_loop` then decodes one token per
+step into a cache of `P + T` slots and stops as soon as every sequence has emitted EOS. With
+`num_samples = G` (GRPO) each prompt is prefilled once and its cache is repeated for its G
+samples, which stay adjacent in the output (sample `g` of prompt `b` is row `b·G + g`).
+
+Log-probabilities returned with the tokens are those of `softmax(logits / τ)` over the
+*whole* vocabulary, before any top-k / top-p truncation: exactly what
+`ops.token_logprobs(logits, tokens, temperature=τ)` computes in the trainer, so that the
+first PPO ratio is 1 up to float rounding. (Truncation changes which tokens can be drawn,
+not the density the trainer's ratios and KL are measured against.) With `temperature=0`
+decoding is greedy and the log-probs are those of `softmax(logits)`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.models.transformer import Transformer, init_cache, project_logits
+
+
+class SampleOutput(NamedTuple):
+    """A batch of `N = B·num_samples` sampled responses (all arrays have leading axis N).
+
+    prompt_ids, prompt_mask: `[N, P]`, left-padded (each prompt repeated per sample).
+    response_ids: `[N, T]`, right-padded with `pad_id` after EOS.
+    response_mask: `[N, T]` bool, True up to and including EOS.
+    logprobs: `[N, T]` float32 log-prob of each response token under softmax(logits/τ)
+      (0 on padding).
+    sequences, attention_mask: `[N, P + T]`, prompt ⧺ response, what the scoring forward
+      passes take.
+    lengths: `[N]` int32 number of valid response tokens.
+    """
+
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    logprobs: jax.Array
+    sequences: jax.Array
+    attention_mask: jax.Array
+    lengths: jax.Array
+
+
+def _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len):
+    if max_new_tokens is None or int(max_new_tokens) <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if prompt_ids.ndim != 2:
+        raise ValueError(f"prompt_ids must have shape [B, P], got {prompt_ids.shape}")
+    if prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_mask must have the shape of prompt_ids [B, P] = "
+                         f"{tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0 or top_k > model.config.vocab_size:
+        raise ValueError(f"top_k must be in [0, vocab_size={model.config.vocab_size}], got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    total = prompt_ids.shape[1] + int(max_new_tokens)
+    limit = model.config.max_position_embeddings if max_len is None else max_len
+    if total > limit:
+        raise ValueError(
+            f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds "
+            f"the cache/position limit {limit} ({'max_len' if max_len is not None else 'config.max_position_embeddings'})")
+
+
+def truncate_logits(logits_BxV: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """Mask (to -inf) the tokens that top-k and then top-p (nucleus) exclude.
+
+    top-k keeps the k highest logits (ties at the k-th value are all kept); top-p keeps the
+    smallest prefix of tokens, by descending probability, whose mass reaches `top_p` (the
+    token that crosses the threshold is kept). Either is off at its default.
+    """
+    neg = jnp.finfo(logits_BxV.dtype).min
+    if top_k:
+        kth = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth, neg, logits_BxV)
+    if top_p < 1.0:
+        sorted_desc = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # The smallest logit still inside the nucleus is the threshold.
+        keep = mass_before < top_p
+        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits_BxV = jnp.where(logits_BxV < threshold, neg, logits_BxV)
+    return logits_BxV
+
+
+def _pick(logits_BxV, key, temperature, top_k, top_p):
+    """(token [B], log-prob of it under softmax(logits/τ) [B])."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    if temperature > 0:
+        logits_BxV = logits_BxV / temperature
+    logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+    if temperature == 0:
+        token = jnp.argmax(logits_BxV, axis=-1)
+    else:
+        token = jax.random.categorical(key, truncate_logits(logits_BxV, top_k=top_k, top_p=top_p), axis=-1)
+    return token.astype(jnp.int32), jnp.take_along_axis(logp_BxV, token[:, None], axis=-1)[:, 0]
+
+
+def sample(
+    model: Transformer,
+    params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    num_samples: int = 1,
+    max_len: int | None = None,
+) -> SampleOutput:
+    """Sample responses; traceable (call it inside your own jit) — see `generate`."""
+    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
+    b, p = prompt_ids.shape
+    t_max = int(max_new_tokens)
+    n = b * num_samples
+    s = p + t_max
+    prompt_mask = prompt_mask.astype(bool)
+    apply = functools.partial(model.apply, {"params": params})
+
+    cache = init_cache(model.config, b, s)
+    slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, t_max), bool)], axis=1)
+    prefill = apply(prompt_ids, slot_mask, cache=cache, cache_index=0, compute_logits=False)
+    # Left padding puts every prompt's last token in slot P-1: only it needs logits.
+    last_logits = project_logits(model.config, params, prefill.hidden[:, -1])
+    repeat = lambda x: jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
+    cache = jax.tree.map(repeat, prefill.cache)
+    last_logits, prompt_ids, prompt_mask = repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask)
+    prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)
+
+    def emit(state, logits, t):
+        tokens, logps, done = state["tokens"], state["logps"], state["done"]
+        token, logp = _pick(logits, jax.random.fold_in(rng, t), temperature, top_k, top_p)
+        token = jnp.where(done, pad_id, token)
+        logp = jnp.where(done, 0.0, logp)
+        new_done = done if eos_id is None else done | (token == eos_id)
+        return dict(state,
+                    tokens=jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t)),
+                    logps=jax.lax.dynamic_update_slice(logps, logp[:, None], (0, t)),
+                    valid=jax.lax.dynamic_update_slice(state["valid"], (~done)[:, None], (0, t)),
+                    done=new_done)
+
+    state = dict(
+        tokens=jnp.full((n, t_max), pad_id, jnp.int32),
+        logps=jnp.zeros((n, t_max), jnp.float32),
+        valid=jnp.zeros((n, t_max), bool),
+        done=jnp.zeros((n,), bool),
+        cache=cache,
+        t=jnp.int32(0),
+    )
+    state = emit(state, last_logits, 0)
+    prompt_slots = jnp.concatenate([prompt_mask, jnp.zeros((n, t_max), bool)], axis=1)
+    response_slots = jnp.arange(s)[None, :] >= p
+
+    def cond(state):
+        return (state["t"] + 1 < t_max) & ~jnp.all(state["done"])
+
+    def body(state):
+        t = state["t"]
+        token = jax.lax.dynamic_slice_in_dim(state["tokens"], t, 1, axis=1)
+        mask = prompt_slots | (response_slots & (jnp.arange(s)[None, :] <= p + t))
+        out = apply(token, mask, position_ids=(prompt_len + t)[:, None], cache=state["cache"], cache_index=p + t)
+        state = dict(state, cache=out.cache, t=t + 1)
+        return emit(state, out.logits[:, 0], t + 1)
+
+    state = jax.lax.while_loop(cond, body, state)
+    response_mask = state["valid"]
+    sequences = jnp.concatenate([prompt_ids, state["tokens"]], axis=1)
+    return SampleOutput(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=state["tokens"],
+        response_mask=response_mask,
+        logprobs=state["logps"],
+        sequences=sequences,
+        attention_mask=jnp.concatenate([prompt_mask, response_mask], axis=1),
+        lengths=response_mask.sum(axis=1).astype(jnp.int32),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(model, **static):
+    return jax.jit(functools.partial(sample, model, **static))
+
+
+def generate(
+    model: Transformer,
+    params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    num_samples: int = 1,
+    max_len: int | None = None,
+) -> SampleOutput:
+    """Sample `num_samples` responses per left-padded prompt; jitted once per shape.
+
+    Args:
+      model, params: a `Transformer` with an LM head and its parameters.
+      prompt_ids: `[B, P]` int token ids, left-padded.
+      prompt_mask: `[B, P]` bool/int, 1 on real prompt tokens.
+      rng: a PRNG key; the same key gives the same samples.
+      max_new_tokens: T, the response length (static).
+      temperature: τ > 0 samples from softmax(logits/τ); 0 is greedy.
+      top_k: keep the k most likely tokens (0: off). top_p: nucleus mass (1.0: off).
+      eos_id: a token that ends a sequence (kept in the response, mask 1); None: never stop.
+      pad_id: written after EOS.
+      num_samples: G responses per prompt, rows `b·G .. b·G + G − 1`.
+      max_len: an explicit cap on P + T (defaults to config.max_position_embeddings).
+
+    Returns: `SampleOutput` with leading axis `B·num_samples`.
+    """
+    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
+    fn = _compiled(model, max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
+                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), num_samples=int(num_samples),
+                   max_len=max_len)
+    return fn(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng)
