@@ -1,0 +1,1 @@
+"""The algorithms as pure functions composed into jitted steps."""

@@ -1,0 +1,184 @@
+"""Pieces every algorithm shares: train state, optimizer, response-aligned forward passes,
+and gradient accumulation that never changes the loss normalisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrlhf import ops
+from jaxrlhf.models.transformer import Transformer, project_logits
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+    """A trained model's parameters and optimizer state, plus the global step."""
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+
+    @classmethod
+    def create(cls, params, tx: optax.GradientTransformation) -> "TrainState":
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    def apply_gradients(self, grads, tx: optax.GradientTransformation) -> "TrainState":
+        updates, opt_state = tx.update(grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=opt_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with optional warmup + decay schedule and global-norm clipping."""
+
+    lr: float = 1e-6
+    schedule: str = "constant"  # "constant" | "linear" | "cosine" (decay to end_lr_ratio·lr)
+    warmup_steps: int = 0
+    total_steps: int = 1
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    if cfg.schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.schedule={cfg.schedule!r}; expected 'constant', 'linear' or 'cosine'")
+    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    if cfg.schedule == "constant":
+        main = optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "linear":
+        main = optax.linear_schedule(cfg.lr, cfg.lr * cfg.end_lr_ratio, decay_steps)
+    else:
+        main = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.end_lr_ratio)
+    if cfg.warmup_steps <= 0:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), main],
+                                [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(optimizer, learning-rate schedule); the schedule is returned for logging."""
+    schedule = make_schedule(cfg)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.max_grad_norm is None:
+        return adamw, schedule
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw), schedule
+
+
+def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_BxL, prompt_len: int):
+    """Hidden states (and scalar-head values) aligned with the response tokens.
+
+    Response token `t` sits at `P + t`; the state that predicts it (its logits, and the
+    critic's `V_t` of SPEC §4) is at `P + t − 1`. Returns `(hidden [B, T, D], values [B, T]
+    or None)`.
+    """
+    out = model.apply({"params": params}, sequences_BxL, attention_mask_BxL, compute_logits=False)
+    hidden = out.hidden[:, prompt_len - 1:-1]
+    values = None if out.values is None else out.values[:, prompt_len - 1:-1]
+    return hidden, values
+
+
+def response_logprobs(
+    model: Transformer,
+    params,
+    sequences_BxL: jax.Array,
+    attention_mask_BxL: jax.Array,
+    prompt_len: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+):
+    """Per-token log-probs (and entropy) of the response part of `sequences`.
+
+    Args:
+      sequences_BxL: prompt ⧺ response, `L = P + T`, prompt left-padded.
+      attention_mask_BxL: 1 on real tokens.
+      prompt_len: P (static).
+
+    Returns: `(logp [B, T], entropy [B, T] or None, values [B, T] or None)`, float32; the
+      LM head is applied only to the `T` response-predicting positions.
+    """
+    hidden_BxTxD, values = response_hidden(model, params, sequences_BxL, attention_mask_BxL, prompt_len)
+    logits_BxTxV = project_logits(model.config, params, hidden_BxTxD)
+    targets_BxT = sequences_BxL[:, prompt_len:]
+    logp = ops.token_logprobs(logits_BxTxV, targets_BxT, temperature=temperature)
+    ent = ops.entropy(logits_BxTxV, temperature=temperature) if with_entropy else None
+    return logp, ent, values
+
+
+def accumulation_scale(mask_BxT: jax.Array, *, mode: str, total_tokens: jax.Array, total_seqs: int) -> jax.Array:
+    """The factor that turns a micro-batch's `ops.aggregate` into its share of the full batch's.
+
+    With micro-batches `k` of a batch, `Σ_k scale_k · aggregate(l_k, m_k, mode)` equals
+    `aggregate(l, m, mode)` over the whole batch exactly: the token-mean is renormalised by
+    token counts, the sequence means by sequence counts. Summing micro-batch gradients with
+    these weights is thus the full-batch gradient, for every aggregation mode.
+    """
+    if mode == "token-mean":
+        return jnp.sum(mask_BxT, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
+    return jnp.float32(mask_BxT.shape[0] / total_seqs)
+
+
+def split_microbatches(batch: PyTree, num: int) -> PyTree:
+    """`[B, ...]` leaves -> `[num, B/num, ...]`, for a `lax.scan` over micro-batches."""
+    def split(x):
+        if x.shape[0] % num:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num} micro-batches")
+        return x.reshape(num, x.shape[0] // num, *x.shape[1:])
+    return jax.tree.map(split, batch)
+
+
+def accumulate_gradients(
+    loss_fn: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, dict]],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    num_microbatches: int,
+) -> tuple[jax.Array, dict, PyTree]:
+    """Sum of `grad(loss_fn)` over micro-batches (a `lax.scan`, constant memory).
+
+    `loss_fn(params, microbatch, index)` must already weight its loss as its share of the
+    full batch (see `accumulation_scale`), so that the sum is the full-batch loss. Metrics
+    are averaged over micro-batches.
+
+    Returns: `(loss, metrics, grads)`.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_microbatches == 1:
+        (loss, metrics), grads = grad_fn(params, batch, jnp.int32(0))
+        return loss, metrics, grads
+    micro = split_microbatches(batch, num_microbatches)
+
+    def body(carry, xs):
+        loss_acc, metrics_acc, grads_acc = carry
+        index, mb = xs
+        (loss, metrics), grads = grad_fn(params, mb, index)
+        return (loss_acc + loss,
+                jax.tree.map(lambda a, m: a + m / num_microbatches, metrics_acc, metrics),
+                jax.tree.map(jnp.add, grads_acc, grads)), None
+
+    first_mb = jax.tree.map(lambda x: x[0], micro)
+    metrics_shape = jax.eval_shape(lambda: loss_fn(params, first_mb, jnp.int32(0))[1])
+    init = (jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape),
+            jax.tree.map(jnp.zeros_like, params))
+    (loss, metrics, grads), _ = jax.lax.scan(body, init, (jnp.arange(num_microbatches), micro))
+    return loss, metrics, grads
+
+
+def tree_finite(tree: PyTree) -> jax.Array:
+    """True when every leaf is finite: the check that stops a run before it saves NaNs."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
