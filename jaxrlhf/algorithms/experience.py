@@ -1,0 +1,92 @@
+"""Rollout into training data: sample responses, then score them with forward passes.
+
+Shared by the online algorithms (PPO, GRPO family, RLOO): the sampler draws responses,
+then the rollout policy's own forward pass gives `old_logp` (SPEC §5: recomputed, not
+trusted from the sampler) and the frozen reference gives `ref_logp`. Everything is a pure
+function that can run inside the same jit as the update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+
+from jaxrlhf.algorithms.common import response_logprobs
+from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.rollout.sampler import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are drawn; `temperature` also divides the trainer's logits (SPEC §2)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_id: int | None = None
+    pad_id: int = 0
+    num_samples: int = 1  # G responses per prompt (GRPO, RLOO)
+
+
+class Experience(NamedTuple):
+    """One rollout batch, `N = B·G` rows, prompt length P and response length T.
+
+    sequences, attention_mask: `[N, P + T]` prompt ⧺ response.
+    response_ids, response_mask: `[N, T]` (mask: 1 up to and including EOS).
+    old_logp: `[N, T]` log-probs under the rollout policy (forward pass, temperature τ).
+    sampler_logp: `[N, T]` the sampler's own log-probs of the same tokens (diagnostic:
+      they should equal `old_logp` to float rounding).
+    ref_logp: `[N, T]` under the reference policy, or None.
+    """
+
+    sequences: jax.Array
+    attention_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    old_logp: jax.Array
+    sampler_logp: jax.Array
+    ref_logp: jax.Array | None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.sequences.shape[1] - self.response_ids.shape[1]
+
+
+def score_responses(model: Transformer, params, sequences, attention_mask, prompt_len: int, *, temperature: float):
+    """`logp [N, T]` of the response tokens under `params` (no gradient needed)."""
+    logp, _, _ = response_logprobs(model, jax.lax.stop_gradient(params), sequences, attention_mask, prompt_len,
+                                   temperature=temperature)
+    return logp
+
+
+def generate_experience(
+    model: Transformer,
+    params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    sampling: SamplingConfig,
+    *,
+    ref_params=None,
+) -> Experience:
+    """Sample `sampling.num_samples` responses per prompt and compute old/ref log-probs.
+
+    Args:
+      model, params: the policy (LM head) and its current parameters.
+      prompt_ids, prompt_mask: `[B, P]`, left-padded.
+      ref_params: the frozen reference policy's parameters (same architecture), or None.
+    """
+    out = sample(model, params, prompt_ids, prompt_mask, rng, max_new_tokens=sampling.max_new_tokens,
+                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                 eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples)
+    p = prompt_ids.shape[1]
+    old_logp = score_responses(model, params, out.sequences, out.attention_mask, p, temperature=sampling.temperature)
+    ref_logp = None
+    if ref_params is not None:
+        ref_logp = score_responses(model, ref_params, out.sequences, out.attention_mask, p,
+                                   temperature=sampling.temperature)
+    return Experience(out.sequences, out.attention_mask, out.response_ids, out.response_mask, old_logp,
+                      out.logprobs, ref_logp)
