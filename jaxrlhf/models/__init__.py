@@ -1,5 +1,14 @@
 """Decoder models for the four RLHF roles, configured from Hugging Face checkpoints."""
 
+from jaxrlhf.models.checkpoint import (
+    CheckpointError,
+    encode_prompt,
+    hf_tensor_map,
+    load_pretrained,
+    load_tokenizer,
+    random_init,
+    save_pretrained,
+)
 from jaxrlhf.models.config import ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.transformer import (
     HEADS,
@@ -11,11 +20,14 @@ from jaxrlhf.models.transformer import (
     init_params,
     logical_axes,
     positions_from_mask,
+    project_logits,
     score_at_last_token,
 )
 
 __all__ = [
+    "CheckpointError", "encode_prompt", "hf_tensor_map", "load_pretrained", "load_tokenizer",
+    "random_init", "save_pretrained",
     "HEADS", "KVCache", "ModelConfig", "ModelOutput", "RopeScaling", "Transformer",
     "UnsupportedConfigError", "count_params", "from_hf_config", "init_cache", "init_params",
-    "logical_axes", "positions_from_mask", "score_at_last_token", "to_hf_dict",
+    "logical_axes", "positions_from_mask", "project_logits", "score_at_last_token", "to_hf_dict",
 ]

@@ -1,0 +1,520 @@
+"""Hugging Face checkpoint I/O: `config.json` + safetensors folders in, and out.
+
+`load_pretrained` reads a local folder written by transformers' `save_pretrained`
+(`*ForCausalLM` or `*ForSequenceClassification` with one label) into a `Transformer` and a
+params pytree, one tensor at a time; `save_pretrained` writes the same layout back, so the
+folder loads in transformers unchanged. Only safetensors are read: pickle files
+(`pytorch_model.bin`, `*.pt`) can execute code when loaded and are refused, and so is any
+config that asks for repository code (`auto_map`).
+
+The HF tensor ↔ parameter mapping (HF `nn.Linear` stores `weight` as `[out, in]`):
+
+| HF tensor | param | conversion |
+|---|---|---|
+| `model.embed_tokens.weight` `[V, D]` | `embed_tokens/embedding` `[V, D]` | as is |
+| `model.layers.i.self_attn.q_proj.weight` `[N*H, D]` | `layers_i/self_attn/q_proj/kernel` `[D, N, H]` | `W.T.reshape` |
+| `...k_proj.weight`, `...v_proj.weight` `[K*H, D]` | `.../k_proj/kernel` `[D, K, H]` | `W.T.reshape` |
+| `...o_proj.weight` `[D, N*H]` | `.../o_proj/kernel` `[N, H, D]` | `W.T.reshape` |
+| `...q_proj.bias` `[N*H]` (k, v: `[K*H]`), `...o_proj.bias` `[D]` | `.../bias` `[N, H]`, `[K, H]`, `[D]` | reshape |
+| `...q_norm.weight`, `...k_norm.weight` `[H]` (Qwen3) | `.../q_norm/scale` | as is |
+| `...input_layernorm.weight`, `...post_attention_layernorm.weight`, `model.norm.weight` | `.../scale` | as is |
+| `...mlp.{gate,up}_proj.weight` `[F, D]`, `...mlp.down_proj.weight` `[D, F]` | `.../kernel` `[D, F]`, `[F, D]` | `W.T` |
+| `lm_head.weight` `[V, D]` (absent when tied) | `lm_head/kernel` `[D, V]` | `W.T` |
+| `score.weight` `[1, D]` (`*ForSequenceClassification`) | `score/kernel` `[D, 1]` | `W.T` |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.models.config import ModelConfig, UnsupportedConfigError, from_hf_config, to_hf_dict
+from jaxrlhf.models.transformer import HEADS, Transformer
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+_PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
+# Buffers that some transformers versions wrote into checkpoints; never parameters.
+_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq", "rotary_emb.inv_freq")
+_ARCH_HEADS = (("ForCausalLM", "lm"), ("ForSequenceClassification", "score"))
+_ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, unsafe, or does not match its config."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One HF tensor and the parameter it becomes.
+
+    `in_axes`: for a Linear weight, how many leading axes of our kernel are the input
+    (q: `[D | N, H]` → 1, o: `[N, H | D]` → 2); None for tensors copied by reshape only.
+    """
+
+    hf_name: str
+    path: tuple[str, ...]
+    shape: tuple[int, ...]  # ours
+    in_axes: int | None = None
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.in_axes is None:
+            return (int(np.prod(self.shape)),) if self.path[-1] == "bias" else self.shape
+        return (int(np.prod(self.shape[self.in_axes:])), int(np.prod(self.shape[:self.in_axes])))
+
+    def from_hf(self, w: np.ndarray) -> np.ndarray:
+        if self.in_axes is None:
+            return w.reshape(self.shape)
+        return np.ascontiguousarray(w.T).reshape(self.shape)
+
+    def to_hf(self, p: np.ndarray) -> np.ndarray:
+        if self.in_axes is None:
+            return np.ascontiguousarray(p.reshape(self.hf_shape))
+        n_in = int(np.prod(self.shape[:self.in_axes]))
+        return np.ascontiguousarray(p.reshape(n_in, -1).T)
+
+
+def _trunk_tensors(c: ModelConfig) -> list[_Tensor]:
+    d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    out = [_Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (c.vocab_size, d))]
+    for i in range(c.num_layers):
+        hf, us = f"model.layers.{i}.", f"layers_{i}"
+        attn = [("q_proj", (d, n, h), 1, (n, h) if c.qkv_bias else None),
+                ("k_proj", (d, k, h), 1, (k, h) if c.qkv_bias else None),
+                ("v_proj", (d, k, h), 1, (k, h) if c.qkv_bias else None),
+                ("o_proj", (n, h, d), 2, (d,) if c.o_bias else None)]
+        for name, shape, in_axes, bias in attn:
+            out.append(_Tensor(f"{hf}self_attn.{name}.weight", (us, "self_attn", name, "kernel"), shape, in_axes))
+            if bias is not None:
+                out.append(_Tensor(f"{hf}self_attn.{name}.bias", (us, "self_attn", name, "bias"), bias))
+        if c.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                out.append(_Tensor(f"{hf}self_attn.{name}.weight", (us, "self_attn", name, "scale"), (h,)))
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            out.append(_Tensor(f"{hf}{name}.weight", (us, name, "scale"), (d,)))
+        for name, shape in (("gate_proj", (d, f)), ("up_proj", (d, f)), ("down_proj", (f, d))):
+            out.append(_Tensor(f"{hf}mlp.{name}.weight", (us, "mlp", name, "kernel"), shape, 1))
+            if c.mlp_bias:
+                out.append(_Tensor(f"{hf}mlp.{name}.bias", (us, "mlp", name, "bias"), shape[-1:]))
+    out.append(_Tensor("model.norm.weight", ("norm", "scale"), (d,)))
+    return out
+
+
+def _head_tensors(c: ModelConfig, head: str) -> list[_Tensor]:
+    """The head's parameters; `value_head` has no HF counterpart (its name is a placeholder)."""
+    d = c.hidden_size
+    lm = [] if c.tie_word_embeddings else [_Tensor("lm_head.weight", ("lm_head", "kernel"), (d, c.vocab_size), 1)]
+    if head == "lm":
+        return lm
+    if head == "score":
+        return [_Tensor("score.weight", ("score", "kernel"), (d, 1), 1)]
+    return lm + [_Tensor("value_head.weight", ("value_head", "kernel"), (d, 1), 1)]
+
+
+def hf_tensor_map(config: ModelConfig, head: str = "lm") -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """HF tensor name → (param path, HF shape) for a model with `head` (no `value_head`)."""
+    tensors = _trunk_tensors(config) + _head_tensors(config, head)
+    return {t.hf_name: (t.path, t.hf_shape) for t in tensors if t.path[0] != "value_head"}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_config_json(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is not a local directory; load_pretrained reads local "
+                              "folders only (download with `huggingface-cli download` first)")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise CheckpointError(f"no config.json in {path}")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    if raw.get("auto_map"):
+        raise CheckpointError(
+            f"{cfg_file}: `auto_map` {sorted(raw['auto_map'])} asks for the repository's own "
+            "Python code (trust_remote_code); jaxrlhf never executes checkpoint code. Only "
+            f"standard {sorted(_ARCH_PREFIX)} checkpoints are supported")
+    model_type = raw.get("model_type")
+    if model_type not in _ARCH_PREFIX:
+        raise UnsupportedConfigError(f"{cfg_file}: model_type={model_type!r} is not supported; "
+                                     f"supported families: {sorted(_ARCH_PREFIX)}")
+    return raw
+
+
+def _head_from_architectures(raw: Mapping[str, Any], cfg_file: str) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        for suffix, head in _ARCH_HEADS:
+            if arch.endswith(suffix):
+                n = raw["num_labels"] if "num_labels" in raw else len(raw.get("id2label") or {}) or 2
+                if head == "score" and n != 1:
+                    raise CheckpointError(
+                        f"{cfg_file}: {arch} has num_labels={n}; only a scalar head (num_labels=1, "
+                        "a reward or value model) is supported")
+                return head
+    raise CheckpointError(f"{cfg_file}: architectures={archs!r}; expected a *ForCausalLM or "
+                          "*ForSequenceClassification model (or pass head=...)")
+
+
+def _weight_files(path: str) -> tuple[dict[str, str], str]:
+    """HF tensor name → safetensors file, from the index or the single file."""
+    index = os.path.join(path, SAFE_INDEX)
+    single = os.path.join(path, SAFE_WEIGHTS)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        for fname in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(path, fname)):
+                raise CheckpointError(f"{index}: shard {fname} is listed but missing from {path}")
+        return dict(weight_map), SAFE_INDEX
+    if os.path.isfile(single):
+        from safetensors import safe_open
+        with safe_open(single, framework="numpy") as f:
+            return {k: SAFE_WEIGHTS for k in f.keys()}, SAFE_WEIGHTS
+    pickles = sorted({os.path.basename(p) for pat in _PICKLE_PATTERNS for p in glob.glob(os.path.join(path, pat))})
+    if pickles:
+        raise CheckpointError(
+            f"{path} holds only pickle weights ({', '.join(pickles)}), which can execute code when "
+            "loaded; jaxrlhf reads safetensors only. Convert once in a trusted environment: "
+            "`transformers.AutoModelForCausalLM.from_pretrained(path).save_pretrained(out_dir, "
+            "safe_serialization=True)`")
+    raise CheckpointError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {path}")
+
+
+def _ignorable(name: str) -> bool:
+    return name.endswith(_IGNORABLE_SUFFIXES)
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Mapping, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    head: str | None = None,
+    remat: bool = False,
+    seed: int = 0,
+    shardings: Any = None,
+) -> tuple[Transformer, dict]:
+    """Load a local Hugging Face checkpoint folder into `(Transformer, params)`.
+
+    Args:
+      path: a folder with `config.json` and `model.safetensors` (or the sharded
+        `model.safetensors.index.json` + `model-0000i-of-0000n.safetensors`).
+      dtype: compute dtype ("float32", "bfloat16", "float16"); defaults to `param_dtype`.
+      param_dtype: storage dtype of the params; every tensor is cast to it. Default float32.
+      head: "lm", "score" or "lm_value"; by default from `architectures` (`*ForCausalLM` →
+        "lm", `*ForSequenceClassification` with `num_labels == 1` → "score"). A head the
+        checkpoint lacks (e.g. "score" or "lm_value" on a causal LM) is initialised from
+        N(0, 0.02) with `seed`, and a checkpoint head the model does not use is dropped;
+        both are logged as warnings.
+      remat: rematerialise each decoder layer in the backward pass.
+      seed: seeds the freshly initialised head parameters, if any.
+      shardings: optional pytree like the params of `jax.sharding.Sharding`s; each tensor is
+        placed with its sharding as it is read, so the full model never sits on one device.
+
+    Returns:
+      `(model, params)`; `model.apply({"params": params}, ids, mask)`.
+
+    Raises:
+      CheckpointError: missing `config.json`, pickle-only weights, `auto_map` (remote code),
+        a missing, unexpected or wrongly shaped tensor; the message names file and tensor.
+      UnsupportedConfigError: a `model_type`, rope type or other field this decoder lacks.
+    """
+    path = os.fspath(path)
+    raw = _read_config_json(path)
+    cfg_file = os.path.join(path, "config.json")
+    native = _head_from_architectures(raw, cfg_file) if head is None or raw.get("architectures") else head
+    head = head or native
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}; expected one of {HEADS}")
+    import transformers  # imported lazily: heavy, and only the config parser is used
+
+    hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    param_dtype = param_dtype or "float32"
+    try:
+        config = from_hf_config(hf_config, dtype=dtype or param_dtype, param_dtype=param_dtype, remat=remat)
+    except UnsupportedConfigError as e:
+        msg = str(e)
+        raise UnsupportedConfigError(msg.replace("config.json", cfg_file, 1) if "config.json" in msg
+                                     else f"{cfg_file}: {msg}") from None
+    weight_map, weight_source = _weight_files(path)
+    wanted = _trunk_tensors(config) + _head_tensors(config, head)
+    in_file = {t.hf_name for t in _trunk_tensors(config) + _head_tensors(config, native)}
+    fresh = [t for t in wanted if t.hf_name not in in_file]
+    dropped = sorted({t.hf_name for t in _head_tensors(config, native)} - {t.hf_name for t in wanted})
+    to_read = [t for t in wanted if t.hf_name in in_file]
+
+    missing = [t.hf_name for t in to_read if t.hf_name not in weight_map]
+    if missing:
+        raise CheckpointError(f"{os.path.join(path, weight_source)}: missing tensors {missing[:10]}"
+                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    known = {t.hf_name for t in to_read} | set(dropped)
+    tied_lm_head = config.tie_word_embeddings and "lm_head.weight" in weight_map
+    unexpected = sorted(k for k in weight_map if k not in known and not _ignorable(k)
+                        and not (tied_lm_head and k == "lm_head.weight"))
+    if unexpected:
+        raise CheckpointError(
+            f"{os.path.join(path, weight_source)}: unexpected tensors {unexpected[:10]}"
+            + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else "")
+            + f" for a {config.model_type} model with head {head!r} (does config.json match the weights?)")
+    if dropped:
+        logger.warning("%s: head %r requested; dropping the checkpoint's %s", path, head, dropped)
+    if fresh:
+        logger.warning("%s: the checkpoint has no %s; initialising %s from N(0, 0.02) with seed %d",
+                       path, [".".join(t.path) for t in fresh], "it" if len(fresh) == 1 else "them", seed)
+
+    target = jnp.dtype(param_dtype)
+    place = (lambda x, t: jax.device_put(x, _get(shardings, t.path))) if shardings is not None else (
+        lambda x, t: jax.device_put(x))
+    params: dict = {}
+    by_file: dict[str, list[_Tensor]] = {}
+    for t in to_read:
+        by_file.setdefault(weight_map[t.hf_name], []).append(t)
+    from safetensors import safe_open
+    for fname, tensors in sorted(by_file.items()):
+        fpath = os.path.join(path, fname)
+        with safe_open(fpath, framework="numpy") as f:
+            present = set(f.keys())
+            for t in tensors:
+                if t.hf_name not in present:
+                    raise CheckpointError(f"{fname}: tensor {t.hf_name!r} is listed in {SAFE_INDEX} but "
+                                          "not stored in the file")
+                shape = tuple(f.get_slice(t.hf_name).get_shape())
+                if shape != t.hf_shape:
+                    raise CheckpointError(f"{fname}: tensor {t.hf_name!r} has shape {shape}, expected "
+                                          f"{t.hf_shape}")
+                w = f.get_tensor(t.hf_name)
+                _set(params, t.path, place(t.from_hf(w).astype(target), t))
+    if tied_lm_head:
+        _check_tied(path, weight_map)
+    rng = jax.random.key(seed)
+    for i, t in enumerate(fresh):
+        w = 0.02 * jax.random.normal(jax.random.fold_in(rng, i), t.shape, jnp.float32)
+        _set(params, t.path, place(w.astype(target), t))
+    return Transformer(config, head), params
+
+
+def _check_tied(path: str, weight_map: Mapping[str, str]) -> None:
+    from safetensors import safe_open
+
+    def read(name):
+        with safe_open(os.path.join(path, weight_map[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+    emb_name = "model.embed_tokens.weight"
+    lm, emb = read("lm_head.weight"), read(emb_name)
+    if lm.shape != emb.shape or not np.array_equal(lm, emb):
+        raise CheckpointError(
+            f"{weight_map['lm_head.weight']}: tensor 'lm_head.weight' differs from {emb_name!r} but "
+            "config.json has tie_word_embeddings=true; set it to false to load a separate LM head")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _architecture(model: Transformer) -> tuple[str, int | None]:
+    return ("ForSequenceClassification", 1) if model.head == "score" else ("ForCausalLM", None)
+
+
+def _shard(tensors: list[tuple[str, np.ndarray]], max_bytes: int) -> list[list[tuple[str, np.ndarray]]]:
+    shards: list[list[tuple[str, np.ndarray]]] = [[]]
+    size = 0
+    for name, w in tensors:
+        if shards[-1] and size + w.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, w))
+        size += w.nbytes
+    return shards
+
+
+def save_pretrained(
+    model: Transformer,
+    params: Mapping,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: Any = None,
+    generation_config: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write `params` as a Hugging Face folder that transformers and `load_pretrained` load.
+
+    Head "lm" is saved as `<Family>ForCausalLM`, "score" as `<Family>ForSequenceClassification`
+    with `num_labels=1`, and "lm_value" as the causal LM *without* its value head (HF has no
+    such class; save the value head separately if you need it). Tensors keep the params'
+    dtype. One `model.safetensors` if the tensors fit in `max_shard_bytes`, else shards
+    `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
+
+    The folder is written into a temporary sibling and renamed into place, so a crash
+    never leaves a half-written checkpoint. An existing non-empty `out_dir` is an error
+    unless `overwrite=True` (which replaces it). Returns `out_dir`.
+
+    Args:
+      tokenizer: saved alongside with its own `save_pretrained`, if given.
+      generation_config: written to `generation_config.json`, if given.
+    """
+    from safetensors.numpy import save_file
+
+    config = model.config
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+    arch, num_labels = _architecture(model)
+    head = "score" if model.head == "score" else "lm"
+    if model.head == "lm_value":
+        logger.info("save_pretrained: head 'lm_value' is saved as a causal LM; the value head is dropped")
+    tensors = []
+    for t in _trunk_tensors(config) + _head_tensors(config, head):
+        try:
+            p = _get(params, t.path)
+        except KeyError:
+            raise KeyError(f"params lack {'/'.join(t.path)} (HF tensor {t.hf_name!r})") from None
+        if tuple(p.shape) != t.shape:
+            raise ValueError(f"params {'/'.join(t.path)} has shape {tuple(p.shape)}, expected {t.shape}")
+        tensors.append((t.hf_name, t.to_hf(np.asarray(jax.device_get(p)))))
+    dtypes = {str(w.dtype) for _, w in tensors}
+    stored = dtypes.pop() if len(dtypes) == 1 else config.param_dtype
+    hf_dict = to_hf_dict(config.replace(param_dtype=stored if stored in ("float32", "bfloat16", "float16")
+                                        else config.param_dtype),
+                         architecture=arch, num_labels=num_labels)
+    hf_dict["dtype"] = hf_dict["torch_dtype"]
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_dict, f, indent=2, sort_keys=True)
+        shards = _shard(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(dict(shards[0]), os.path.join(tmp, SAFE_WEIGHTS), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(dict(shard), os.path.join(tmp, fname), metadata={"format": "pt"})
+                weight_map.update({name: fname for name, _ in shard})
+            index = {"metadata": {"total_size": int(sum(w.nbytes for _, w in tensors))},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(tmp, SAFE_INDEX), "w") as f:
+                json.dump(index, f, indent=2)
+        if generation_config is not None:
+            with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+                json.dump(dict(generation_config), f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        old = None
+        if os.path.exists(out_dir):
+            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def random_init(config: ModelConfig, *, head: str = "lm", seed: int = 0) -> tuple[Transformer, dict]:
+    """A randomly initialised `(Transformer, params)`, HF-style: kernels and embeddings
+    N(0, 0.02), norm scales one, biases zero.
+
+    The same pytree as `init_params`, drawn with numpy tensor by tensor, without running
+    (or compiling) a forward pass.
+    """
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}; expected one of {HEADS}")
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(config.param_dtype)
+    params: dict = {}
+    for t in _trunk_tensors(config) + _head_tensors(config, head):
+        kind = t.path[-1]
+        if kind == "scale":
+            w = np.ones(t.shape, np.float32)
+        elif kind == "bias":
+            w = np.zeros(t.shape, np.float32)
+        else:
+            w = 0.02 * rng.standard_normal(t.shape, np.float32)
+        _set(params, t.path, jnp.asarray(w, dtype))
+    return Transformer(config, head), params
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike, *, chat_template: bool | str = True):
+    """The tokenizer saved in a local folder (`transformers.AutoTokenizer`, no remote code).
+
+    chat_template: True keeps the tokenizer's own chat template, False removes it (prompts
+      are then encoded as plain text), a string installs that Jinja template.
+    """
+    import transformers
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is not a local directory")
+    tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    if isinstance(chat_template, str):
+        tok.chat_template = chat_template
+    elif not chat_template:
+        tok.chat_template = None
+    return tok
+
+
+def encode_prompt(
+    tokenizer,
+    prompt: str | list[Mapping[str, str]],
+    *,
+    use_chat_template: bool = True,
+    system: str | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of a prompt, through the chat template when asked for and available.
+
+    `prompt` is a user message (str) or a list of `{"role", "content"}` messages. Without a
+    chat template (or with `use_chat_template=False`) a str is encoded as plain text with
+    the tokenizer's special tokens; messages need a template.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_chat_template and has_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + messages
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        if isinstance(out, Mapping) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+    if not isinstance(prompt, str):
+        raise ValueError("a list of messages needs a tokenizer with a chat template")
+    if system is not None:
+        raise ValueError("`system` needs a tokenizer with a chat template")
+    return list(tokenizer(prompt)["input_ids"])
