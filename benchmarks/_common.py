@@ -1,0 +1,108 @@
+"""What every benchmark on the reference workload (../shared/WORKLOAD.md) shares.
+
+The tiny Llama of the workload for both frameworks, the prompt/train-batch token ids,
+a min/median/max timer, peak RSS, and a CPU watch that records how much CPU *other*
+processes used while a measurement ran (a contended result is not a valid figure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD_CANDIDATES = [REPO.parent / "shared" / "workload_prompts.json", REPO / "shared" / "workload_prompts.json"]
+
+# WORKLOAD.md "Model" table.
+LLAMA = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+             rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def load_workload(path: str | None = None) -> dict:
+    """`{"prompts": [[...]], "train_batch": [[...]]}` token ids from workload_prompts.json."""
+    candidates = [Path(path)] if path else WORKLOAD_CANDIDATES
+    for p in candidates:
+        if p.exists():
+            return json.loads(p.read_text())
+    raise FileNotFoundError(f"workload_prompts.json not found in {[str(c) for c in candidates]}; pass --prompts")
+
+
+def hf_llama_config():
+    import transformers
+
+    return transformers.LlamaConfig(**LLAMA)
+
+
+def jax_llama_config(**overrides):
+    from jaxrlhf.models import from_hf_config
+
+    return from_hf_config(hf_llama_config(), **overrides)
+
+
+def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", **extra):
+    """The workload's torch model: HF default init after `torch.manual_seed(seed)`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = hf_llama_config()
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+def timed(fn, *, warmup: int, repeats: int) -> dict:
+    """Wall seconds of `fn()` (which must block until its work is done): min/median/max."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"min_s": min(times), "median_s": statistics.median(times), "max_s": max(times), "runs": repeats}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _cpu_ticks():
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))  # minus idle, iowait
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    own = int(parts[11]) + int(parts[12]) + int(parts[13]) + int(parts[14])  # utime stime cutime cstime
+    return busy, own, time.monotonic()
+
+
+class CpuWatch:
+    """`with CpuWatch() as w: ...` then `w.result()`: cores used by other processes meanwhile."""
+
+    def __enter__(self):
+        self._start = _cpu_ticks()
+        return self
+
+    def __exit__(self, *exc):
+        self._end = _cpu_ticks()
+
+    def result(self, threshold_cores: float = 0.25) -> dict:
+        hz = os.sysconf("SC_CLK_TCK")
+        (b0, o0, t0), (b1, o1, t1) = self._start, self._end
+        wall = max(t1 - t0, 1e-9)
+        others = max((b1 - b0) - (o1 - o0), 0) / hz / wall
+        return {"others_cores": round(others, 3), "contended": others > threshold_cores}
+
+
+def write_json(out: str | None, default_name: str, payload: dict) -> Path:
+    path = Path(out) if out else REPO / "benchmarks" / "results" / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,112 @@
+"""WORKLOAD.md measurement 1: new tokens/s of sampling, jaxrlhf vs transformers `generate`.
+
+    python benchmarks/bench_rollout.py            # B = 16 and B = 64, both frameworks
+    python benchmarks/bench_rollout.py --quick    # fewer repeats
+
+16 prompts x 32 tokens -> exactly 64 new tokens, temperature 1, top-k/top-p off, KV cache on,
+tiny Llama in float32 on the CPU, torch with 2 threads. Both models get the same weights
+(the HF model's default init after `torch.manual_seed(0)`, converted), and greedy decoding
+is checked to agree before timing. Writes benchmarks/results/rollout.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+NEW_TOKENS = 64
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompts", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    args = ap.parse_args()
+    warmup, repeats = (1, 3) if args.quick else (3, 6)
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from jaxrlhf.models import load_pretrained
+    from jaxrlhf.rollout import generate
+
+    torch.set_num_threads(2)
+    workload = _common.load_workload(args.prompts)
+    prompts = np.asarray(workload["prompts"], np.int32)
+    hf = _common.hf_llama(seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        model, params = load_pretrained(tmp)
+
+    results = {"workload": "measurement 1", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+               "torch": torch.__version__, "runs": []}
+
+    # Same tokens under greedy decoding: the two implementations compute the same model.
+    p8 = prompts[:2]
+    ours = generate(model, params, p8, np.ones_like(p8, bool), jax.random.key(0), max_new_tokens=16, temperature=0.0)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(p8, dtype=torch.long), attention_mask=torch.ones(p8.shape, dtype=torch.long),
+                             do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+    results["greedy_tokens_equal"] = bool((np.asarray(ours.response_ids) == theirs[:, 32:].numpy()).all())
+
+    for b in args.batch:
+        batch = np.concatenate([prompts] * (b // len(prompts) + 1))[:b] if b > len(prompts) else prompts[:b]
+        mask = np.ones_like(batch, bool)
+        jbatch, jmask = jnp.asarray(batch), jnp.asarray(mask)
+        keys = iter(jax.random.split(jax.random.key(1), 1000))
+
+        start = time.perf_counter()
+        generate(model, params, jbatch, jmask, next(keys), max_new_tokens=NEW_TOKENS).response_ids.block_until_ready()
+        compile_s = time.perf_counter() - start
+
+        def run_ours():
+            generate(model, params, jbatch, jmask, next(keys), max_new_tokens=NEW_TOKENS).response_ids.block_until_ready()
+
+        tb, tm = torch.tensor(batch, dtype=torch.long), torch.ones(batch.shape, dtype=torch.long)
+
+        def run_hf():
+            with torch.no_grad():
+                hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_cache=True, pad_token_id=0)
+
+        for name, fn in (("jaxrlhf", run_ours), ("transformers", run_hf)):
+            with _common.CpuWatch() as watch:
+                t = _common.timed(fn, warmup=warmup, repeats=repeats)
+            t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * NEW_TOKENS / t["median_s"])
+            if name == "jaxrlhf":
+                t["first_call_s"] = compile_s
+            results["runs"].append(t)
+    results["peak_rss_mib"] = _common.peak_rss_mib()
+
+    print(f"greedy tokens equal: {results['greedy_tokens_equal']}\n")
+    print("| B | impl | median s | min s | max s | new tokens/s | first call s | others' cores |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['batch']} | {r['impl']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['max_s']:.4f} | "
+              f"{r['tokens_per_s']:,.0f} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
+    for b in args.batch:
+        ours = next(r for r in results["runs"] if r["batch"] == b and r["impl"] == "jaxrlhf")
+        theirs = next(r for r in results["runs"] if r["batch"] == b and r["impl"] == "transformers")
+        ratio = theirs["median_s"] / ours["median_s"]
+        results[f"speedup_vs_transformers_B{b}"] = ratio
+        print(f"\nB={b}: jaxrlhf / transformers speed = {ratio:.2f}x")
+    print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
+    print("wrote", _common.write_json(args.out, "rollout.json", results))
+
+
+if __name__ == "__main__":
+    main()
