@@ -1,0 +1,799 @@
+"""RLHF-PPO with four models, as pure functions (SPEC §3–§7).
+
+Actor (trained, LM head), critic (trained: its own "score"-head `Transformer`, or a value
+head on the actor's trunk, `head="lm_value"`), reference (frozen copy of the starting
+actor) and reward (frozen; a reward-model `Transformer` or any JAX reward function). One
+iteration, compiled into one XLA program by `make_iteration`:
+
+    prompts → sample (actor) → score_rollout: old logp, ref logp, values, RM score
+            → process_scores: missing-EOS penalty, whitening, clipping
+            → compute_advantages: KL (k1/k2/k3) → shape_rewards(β) → GAE(γ, λ) → whiten
+            → update: K epochs × M shuffled minibatches (× micro-batches) in one lax.scan,
+              loss = clipped policy loss + vf_coef·clipped value loss − ent_coef·entropy
+            → KL controller step (β for the next iteration)
+
+Shapes: `B` prompts, `N = B·G` sequences (G = `sampling.num_samples`, usually 1 for PPO),
+`P` prompt length (left-padded), `T = sampling.max_new_tokens` (right-padded).
+
+    cfg = PPOConfig(sampling=SamplingConfig(max_new_tokens=64, eos_id=2))
+    state = init_state(cfg, actor_model, actor_params, tx_actor, critic_model=critic_model,
+                       critic_params=critic_params, tx_critic=tx_critic,
+                       reward=(rm_model, rm_params))
+    iteration = make_iteration(actor_model, critic_model, rm_model, tx_actor, tx_critic, cfg)
+    state, metrics = iteration(state, prompt_ids, prompt_mask, rng)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrlhf import ops
+from jaxrlhf.algorithms import kl_controller
+from jaxrlhf.algorithms.common import (
+    TrainState,
+    accumulate_gradients,
+    accumulation_scale,
+    response_hidden,
+    response_logprobs,
+    tree_finite,
+)
+from jaxrlhf.algorithms.experience import SamplingConfig
+from jaxrlhf.models.transformer import Transformer, score_at_last_token
+from jaxrlhf.rollout.sampler import sample
+
+PyTree = Any
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+REWARD_WHITENING = (None, "batch", "running")
+MISSING_EOS_MODES = ("subtract", "replace")
+CRITIC_MODES = ("separate", "shared")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+# --------------------------------------------------------------------------------------
+# Config
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """Every knob of RLHF-PPO, validated at construction. Defaults follow TRL's PPO where
+    one exists (k1 KL, β 0.05, γ 1, λ 0.95, 4 epochs, clip 0.2, vf_coef 0.1).
+
+    Rollout:
+      sampling: how responses are drawn (`max_new_tokens`, temperature τ — which also
+        divides the logits of every log-prob —, top-k/p, `eos_id`, `num_samples`).
+
+    KL to the reference (SPEC §3, KL in the reward):
+      kl_estimator: "k1" | "k2" | "k3", the per-token KL that enters the reward.
+      kl_coef: β (the starting β when adaptive).
+      kl_target: None for a fixed β; else the target KL (nats per response, summed over
+        its tokens with `kl_estimator`) of the adaptive controller (Ziegler et al. 2019).
+      kl_horizon: the controller's horizon in samples.
+
+    Scores (applied in this order, see `process_scores`):
+      missing_eos_penalty: p ≥ 0, or None. For responses that reach `max_new_tokens`
+        without emitting `sampling.eos_id`: with `missing_eos_mode="subtract"` the score
+        becomes `score − p` (TRL's `missing_eos_penalty`); with "replace" it becomes `−p`,
+        whatever the reward model said. Needs `sampling.eos_id`.
+      reward_whitening: None, "batch" ((s − mean)/std over this batch) or "running"
+        ((s − mean)/std with running moments over all batches so far, this one included).
+        Note: TRL's `whiten_rewards` whitens the *shaped per-token* rewards without mean
+        shift; this option normalises the *scores* (OpenRLHF's `normalize_reward`).
+      reward_clip: c > 0 clips scores to [−c, c] (after whitening), or None.
+
+    Advantages (SPEC §4): gamma, lam (GAE); whiten_advantages (`ops.whiten`, with mean).
+
+    Loss (SPEC §5):
+      clip: ε (ε_low); clip_high: ε_high (None = ε); dual_clip: c > 1 or None.
+      vf_clip: ε_v of the clipped value loss, None = no clipping. vf_coef: c_v.
+      ent_coef: c_ent ≥ 0 of the entropy bonus.
+      agg: aggregation of every per-token loss ("token-mean", "seq-mean-token-mean",
+        "seq-mean-token-sum", "seq-mean-token-sum-norm" with L = max_new_tokens).
+
+    Update: num_ppo_epochs K, num_minibatches M (N must split into M minibatches), and
+      num_microbatches per minibatch (gradient accumulation; same gradients as 1).
+
+    critic: "separate" (a "score"-head Transformer with its own params and optimizer; may
+      differ in size) or "shared" (the actor has `head="lm_value"`: one param tree, one
+      optimizer, the value loss also trains the trunk).
+    """
+
+    sampling: SamplingConfig
+    kl_estimator: str = "k1"
+    kl_coef: float = 0.05
+    kl_target: float | None = None
+    kl_horizon: int = 10_000
+    missing_eos_penalty: float | None = None
+    missing_eos_mode: str = "subtract"
+    reward_whitening: str | None = None
+    reward_clip: float | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    clip: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    vf_clip: float | None = 0.2
+    vf_coef: float = 0.1
+    ent_coef: float = 0.0
+    agg: str = "token-mean"
+    num_ppo_epochs: int = 4
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    critic: str = "separate"
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"PPOConfig: {msg}")
+
+        if not isinstance(self.sampling, SamplingConfig):
+            bad(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            bad(f"kl_estimator={self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        # The controller config validates kl_coef / kl_target / kl_horizon.
+        try:
+            self.kl_config
+        except ValueError as e:
+            bad(str(e))
+        if self.missing_eos_penalty is not None:
+            if not self.missing_eos_penalty >= 0:
+                bad(f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
+            if self.sampling.eos_id is None:
+                bad("missing_eos_penalty needs sampling.eos_id (without an EOS token every response "
+                    "would be penalised)")
+        if self.missing_eos_mode not in MISSING_EOS_MODES:
+            bad(f"missing_eos_mode={self.missing_eos_mode!r}; expected one of {MISSING_EOS_MODES}")
+        if self.reward_whitening not in REWARD_WHITENING:
+            bad(f"reward_whitening={self.reward_whitening!r}; expected one of {REWARD_WHITENING}")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            bad(f"reward_clip must be > 0 or None, got {self.reward_clip}")
+        if not 0.0 <= self.gamma <= 1.0:
+            bad(f"gamma must be in [0, 1], got {self.gamma}")
+        if not 0.0 <= self.lam <= 1.0:
+            bad(f"lam must be in [0, 1], got {self.lam}")
+        if not self.clip > 0:
+            bad(f"clip must be > 0, got {self.clip}")
+        if self.clip_high is not None and not self.clip_high > 0:
+            bad(f"clip_high must be > 0 or None, got {self.clip_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            bad(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.vf_clip is not None and not self.vf_clip > 0:
+            bad(f"vf_clip must be > 0 or None, got {self.vf_clip}")
+        if not self.vf_coef >= 0:
+            bad(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if not self.ent_coef >= 0:
+            bad(f"ent_coef must be >= 0, got {self.ent_coef}")
+        if self.agg not in AGG_MODES:
+            bad(f"agg={self.agg!r}; expected one of {AGG_MODES}")
+        for name in ("num_ppo_epochs", "num_minibatches", "num_microbatches"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                bad(f"{name} must be an integer >= 1, got {v!r}")
+        if self.critic not in CRITIC_MODES:
+            bad(f"critic={self.critic!r}; expected one of {CRITIC_MODES}")
+
+    @property
+    def kl_config(self) -> kl_controller.KLControllerConfig:
+        return kl_controller.KLControllerConfig(init_beta=self.kl_coef, target=self.kl_target,
+                                                horizon=self.kl_horizon)
+
+    @property
+    def norm_len(self) -> int | None:
+        return self.sampling.max_new_tokens if self.agg == "seq-mean-token-sum-norm" else None
+
+    @property
+    def shared(self) -> bool:
+        return self.critic == "shared"
+
+
+# --------------------------------------------------------------------------------------
+# Rewards: reward model or JAX function, one calling convention
+
+
+class RewardInputs(NamedTuple):
+    """What a reward sees. sequences/attention_mask `[N, P+T]` (prompt ⧺ response),
+    response_ids/response_mask `[N, T]`, extras: a pytree of `[N, ...]` arrays or None."""
+
+    sequences: jax.Array
+    attention_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    extras: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """A reward in the form PPO calls it: `fn(params, RewardInputs) -> scores [N]`.
+
+    `params` are the frozen reward-model parameters kept in `PPOState.reward_params` (None
+    for a parameter-free reward); `vocab_size` is checked against the policy's when known.
+    Build one with `as_reward`.
+    """
+
+    fn: Callable[[PyTree, RewardInputs], jax.Array]
+    vocab_size: int | None = None
+    name: str = "reward"
+
+
+def _model_reward(model: Transformer) -> Reward:
+    if model.head != "score":
+        raise ValueError(f"the reward model must be a Transformer with head='score', got head={model.head!r}")
+
+    def fn(params, inp: RewardInputs):
+        out = model.apply({"params": jax.lax.stop_gradient(params)}, inp.sequences, inp.attention_mask,
+                          compute_logits=False)
+        return score_at_last_token(out.values, inp.attention_mask)
+
+    return Reward(fn, model.config.vocab_size, "reward_model")
+
+
+def sequence_reward(fn: Callable[[jax.Array, jax.Array], jax.Array], *, vocab_size: int | None = None) -> Reward:
+    """A JAX reward on whole sequences: `fn(sequences [N, P+T], attention_mask) -> [N]`."""
+    return Reward(lambda _, inp: fn(inp.sequences, inp.attention_mask), vocab_size, "sequence_reward")
+
+
+def response_reward(fn: Callable[[jax.Array, jax.Array, Any], jax.Array]) -> Reward:
+    """A JAX reward on responses: `fn(response_ids [N, T], response_mask [N, T], extras) -> [N]`."""
+    return Reward(lambda _, inp: fn(inp.response_ids, inp.response_mask, inp.extras), None, "response_reward")
+
+
+def as_reward(reward) -> tuple[Reward, PyTree]:
+    """Normalises the accepted reward forms to `(Reward, params or None)`:
+
+    - `(Transformer(head="score"), params)`: a reward model, scored at the last valid token
+      of prompt ⧺ response (`models.score_at_last_token`);
+    - `Transformer(head="score")`: the same, params given separately (`init_state(...,
+      reward_params=...)`);
+    - a `Reward` (see `sequence_reward`, `response_reward`);
+    - an object of `jaxrlhf.rewards` with a `jax_fn`-style interface is used through
+      `response_reward` / `sequence_reward` when recognisable (see `_from_rewards_module`);
+    - a plain callable: with 3 positional parameters it is taken as
+      `fn(response_ids, response_mask, extras)`, with 2 as `fn(sequences, attention_mask)`.
+
+    Host-side (text) rewards cannot run inside the jitted iteration: score on host and
+    pass a JAX function of the token ids instead.
+    """
+    if isinstance(reward, tuple) and len(reward) == 2 and isinstance(reward[0], Transformer):
+        return _model_reward(reward[0]), reward[1]
+    if isinstance(reward, Transformer):
+        return _model_reward(reward), None
+    if isinstance(reward, Reward):
+        return reward, None
+    converted = _from_rewards_module(reward)
+    if converted is not None:
+        return converted
+    if callable(reward):
+        try:
+            params = [p for p in inspect.signature(reward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        except (TypeError, ValueError):
+            params = []
+        if len(params) == 3:
+            return response_reward(reward), None
+        if len(params) == 2:
+            return sequence_reward(reward), None
+        raise TypeError(f"cannot tell how to call reward {reward!r}: wrap it in ppo.response_reward(fn) "
+                        f"(fn(response_ids, response_mask, extras)) or ppo.sequence_reward(fn) "
+                        f"(fn(sequences, attention_mask))")
+    raise TypeError(f"unsupported reward {type(reward).__name__}: pass (Transformer(head='score'), params), "
+                    f"a Transformer, a ppo.Reward, or a JAX callable")
+
+
+def _from_rewards_module(reward):
+    """Objects of `jaxrlhf.rewards` (when that module exists), else None."""
+    try:
+        from jaxrlhf import rewards as rewards_mod  # noqa: F401  (optional, written separately)
+    except ImportError:
+        return None
+    module = getattr(type(reward), "__module__", "") or ""
+    if not module.startswith("jaxrlhf.rewards"):
+        return None
+    if getattr(reward, "host", False) or getattr(reward, "kind", None) == "host":
+        raise TypeError("a host-side (text) reward cannot run inside the jitted PPO iteration; "
+                        "use a JAX reward on token ids or a reward model")
+    model = getattr(reward, "model", None)
+    if isinstance(model, Transformer):
+        return _model_reward(model), getattr(reward, "params", None)
+    fn = getattr(reward, "fn", None)
+    if callable(fn):
+        return as_reward(fn)
+    return None
+
+
+def check_vocab(policy_vocab: int, other_vocab: int | None, what: str = "reward model") -> None:
+    if other_vocab is not None and int(other_vocab) != int(policy_vocab):
+        raise ValueError(f"policy vocab_size {policy_vocab} != {what} vocab_size {other_vocab} — "
+                         f"the {what} must share the policy tokenizer")
+
+
+def _check_models(actor_model: Transformer, critic_model: Transformer | None, cfg: PPOConfig):
+    if cfg.shared:
+        if actor_model.head != "lm_value":
+            raise ValueError(f"critic='shared' needs the actor Transformer with head='lm_value', "
+                             f"got head={actor_model.head!r}")
+        if critic_model is not None:
+            raise ValueError("critic='shared': pass critic_model=None (the value head is on the actor)")
+    else:
+        if actor_model.head not in ("lm", "lm_value"):
+            raise ValueError(f"the actor needs an LM head, got head={actor_model.head!r}")
+        if critic_model is None:
+            raise ValueError("critic='separate' needs a critic_model (Transformer with head='score')")
+        if critic_model.head != "score":
+            raise ValueError(f"the critic must be a Transformer with head='score', got head={critic_model.head!r}")
+        check_vocab(actor_model.config.vocab_size, critic_model.config.vocab_size, "critic")
+
+
+# --------------------------------------------------------------------------------------
+# State
+
+
+@flax.struct.dataclass
+class RunningMoments:
+    """Mean and population variance of all scores seen so far (for "running" whitening)."""
+
+    count: jax.Array
+    mean: jax.Array
+    var: jax.Array
+
+    @classmethod
+    def create(cls) -> "RunningMoments":
+        return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32))
+
+    def update(self, x_N: jax.Array) -> "RunningMoments":
+        """Chan et al.'s parallel merge of (count, mean, M2) with a new batch."""
+        x = x_N.astype(jnp.float32)
+        n = jnp.float32(x.shape[0])
+        mean_b, var_b = jnp.mean(x), jnp.var(x)
+        total = self.count + n
+        delta = mean_b - self.mean
+        mean = self.mean + delta * n / total
+        m2 = self.var * self.count + var_b * n + jnp.square(delta) * self.count * n / total
+        return RunningMoments(total, mean, m2 / total)
+
+
+@flax.struct.dataclass
+class PPOState:
+    """actor: TrainState (params include the value head when the trunk is shared).
+    critic: TrainState of the separate critic, or None when shared.
+    ref_params: frozen reference (a copy of the starting actor).
+    reward_params: frozen reward-model params, or None for a parameter-free reward.
+    kl_ctl: the KL controller (β). reward_stats: running score moments.
+    step: PPO iterations done (RNG is `fold_in(rng, step)`)."""
+
+    actor: TrainState
+    critic: TrainState | None
+    ref_params: PyTree
+    reward_params: PyTree
+    kl_ctl: kl_controller.KLControllerState
+    reward_stats: RunningMoments
+    step: jax.Array
+
+
+def init_state(
+    cfg: PPOConfig,
+    actor_model: Transformer,
+    actor_params: PyTree,
+    tx_actor: optax.GradientTransformation,
+    *,
+    critic_model: Transformer | None = None,
+    critic_params: PyTree = None,
+    tx_critic: optax.GradientTransformation | None = None,
+    reward: Any = None,
+    reward_params: PyTree = None,
+    ref_params: PyTree = None,
+) -> PPOState:
+    """Builds the PPO state; checks models, heads and vocabularies.
+
+    reward: any form `as_reward` accepts (its params, if any, are stored frozen);
+      `reward_params` overrides/gives them. ref_params: defaults to a copy of actor_params.
+    """
+    _check_models(actor_model, critic_model, cfg)
+    if reward is not None:
+        spec, params_from_reward = as_reward(reward)
+        check_vocab(actor_model.config.vocab_size, spec.vocab_size)
+        if reward_params is None:
+            reward_params = params_from_reward
+    copy = lambda tree: jax.tree.map(jnp.array, tree)  # own buffers: the state may be donated
+    critic = None
+    if not cfg.shared:
+        if critic_params is None or tx_critic is None:
+            raise ValueError("critic='separate' needs critic_params and tx_critic")
+        critic = TrainState.create(critic_params, tx_critic)
+    return PPOState(
+        actor=TrainState.create(actor_params, tx_actor),
+        critic=critic,
+        ref_params=copy(actor_params if ref_params is None else ref_params),
+        reward_params=reward_params,
+        kl_ctl=kl_controller.init(cfg.kl_config),
+        reward_stats=RunningMoments.create(),
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Rollout and scoring
+
+
+class Rollout(NamedTuple):
+    """A scored rollout batch, `N` rows.
+
+    sequences, attention_mask `[N, P+T]`; response_ids, response_mask `[N, T]`;
+    old_logp, ref_logp, sampler_logp `[N, T]` (τ-scaled); values `[N, T]` (V_t of the state
+    that predicts y_t); scores `[N]` raw reward (before `process_scores`).
+    """
+
+    sequences: jax.Array
+    attention_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    old_logp: jax.Array
+    ref_logp: jax.Array
+    sampler_logp: jax.Array
+    values: jax.Array
+    scores: jax.Array
+
+
+def score_rollout(
+    actor_model: Transformer,
+    critic_model: Transformer | None,
+    reward: Reward,
+    state: PPOState,
+    sequences: jax.Array,
+    attention_mask: jax.Array,
+    prompt_len: int,
+    cfg: PPOConfig,
+    *,
+    sampler_logp: jax.Array | None = None,
+    extras: Any = None,
+) -> Rollout:
+    """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
+    logp, values (critic, or the actor's value head when shared — one pass), and the reward
+    score (for a reward model: at the last valid token). All without gradient."""
+    tau = cfg.sampling.temperature
+    actor_params = jax.lax.stop_gradient(state.actor.params)
+    old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
+                                            temperature=tau)
+    ref_logp, _, _ = response_logprobs(actor_model, jax.lax.stop_gradient(state.ref_params), sequences,
+                                       attention_mask, prompt_len, temperature=tau)
+    if not cfg.shared:
+        _, values = response_hidden(critic_model, jax.lax.stop_gradient(state.critic.params), sequences,
+                                    attention_mask, prompt_len)
+    response_ids = sequences[:, prompt_len:]
+    response_mask = attention_mask[:, prompt_len:].astype(bool)
+    scores = reward.fn(state.reward_params, RewardInputs(sequences, attention_mask, response_ids,
+                                                          response_mask, extras))
+    scores = jnp.asarray(scores, jnp.float32).reshape(sequences.shape[0])
+    if sampler_logp is None:
+        sampler_logp = old_logp
+    return Rollout(sequences, attention_mask, response_ids, response_mask, old_logp, ref_logp, sampler_logp,
+                   values.astype(jnp.float32), jax.lax.stop_gradient(scores))
+
+
+def process_scores(
+    scores_N: jax.Array,
+    response_ids_NxT: jax.Array,
+    response_mask_NxT: jax.Array,
+    stats: RunningMoments,
+    cfg: PPOConfig,
+) -> tuple[jax.Array, RunningMoments]:
+    """Raw scores → the scalars that go on the last token, in this order:
+
+    1. missing-EOS penalty (responses without `eos_id` among their valid tokens):
+       "subtract": `s − p`; "replace": `−p`;
+    2. whitening: "batch" `(s − μ_batch)/sqrt(σ²_batch + 1e-8)`, or "running" with the
+       running moments updated by this batch first;
+    3. clipping to `[−reward_clip, reward_clip]`.
+
+    Returns `(scores [N], updated running moments)`.
+    """
+    s = scores_N.astype(jnp.float32)
+    if cfg.missing_eos_penalty is not None:
+        has_eos = jnp.any((response_ids_NxT == cfg.sampling.eos_id) & response_mask_NxT.astype(bool), axis=1)
+        p = jnp.float32(cfg.missing_eos_penalty)
+        penalised = s - p if cfg.missing_eos_mode == "subtract" else jnp.full_like(s, -p)
+        s = jnp.where(has_eos, s, penalised)
+    if cfg.reward_whitening == "batch":
+        s = (s - jnp.mean(s)) / jnp.sqrt(jnp.var(s) + 1e-8)
+    elif cfg.reward_whitening == "running":
+        stats = stats.update(s)
+        s = (s - stats.mean) / jnp.sqrt(stats.var + 1e-8)
+    if cfg.reward_clip is not None:
+        s = jnp.clip(s, -cfg.reward_clip, cfg.reward_clip)
+    return s, stats
+
+
+class Advantages(NamedTuple):
+    """All `[N, T]` float32, 0 on padding. `advantages` whitened if configured; `raw_advantages`
+    before whitening; `returns` the critic's targets; `rewards` the shaped per-token
+    rewards; `kl` the per-token KL of `cfg.kl_estimator`."""
+
+    advantages: jax.Array
+    raw_advantages: jax.Array
+    returns: jax.Array
+    rewards: jax.Array
+    kl: jax.Array
+
+
+def compute_advantages(
+    scores_N: jax.Array,
+    old_logp_NxT: jax.Array,
+    ref_logp_NxT: jax.Array,
+    values_NxT: jax.Array,
+    mask_NxT: jax.Array,
+    beta: float | jax.Array,
+    cfg: PPOConfig,
+) -> Advantages:
+    """SPEC §3–§4 composed from ops, nothing else:
+
+        kl = ops.kl(old_logp, ref_logp, estimator)
+        r  = ops.shape_rewards(scores, kl, mask, β)        (−β·kl every token, + score last)
+        A, R = ops.gae(r, values, mask, γ, λ)
+        A  = ops.whiten(A, mask)                            (if whiten_advantages)
+    """
+    kl = jnp.where(mask_NxT, ops.kl(old_logp_NxT, ref_logp_NxT, estimator=cfg.kl_estimator), 0.0)
+    rewards = ops.shape_rewards(scores_N, kl, mask_NxT, beta)
+    adv, ret = ops.gae(rewards, values_NxT, mask_NxT, gamma=cfg.gamma, lam=cfg.lam)
+    white = ops.whiten(adv, mask_NxT) if cfg.whiten_advantages else adv
+    white = jnp.where(mask_NxT, white, 0.0)
+    return Advantages(white, adv, ret, rewards, kl)
+
+
+# --------------------------------------------------------------------------------------
+# Loss and update
+
+
+def ppo_loss(
+    params: dict,
+    batch: dict,
+    *,
+    actor_model: Transformer,
+    critic_model: Transformer | None,
+    cfg: PPOConfig,
+) -> tuple[jax.Array, dict]:
+    """The PPO objective on one (mini/micro)batch, not yet weighted for accumulation:
+
+        loss = policy_loss(logp, old_logp, A) + vf_coef·value_loss(V, V_old, R) − ent_coef·agg(H)
+
+    params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
+    batch: sequences, attention_mask `[n, P+T]`; response_mask, old_logp, old_values,
+      advantages, returns `[n, T]`.
+    """
+    seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["response_mask"]
+    prompt_len = seq.shape[1] - mask.shape[1]
+    logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
+                                          temperature=cfg.sampling.temperature, with_entropy=True)
+    if not cfg.shared:
+        _, values = response_hidden(critic_model, params["critic"], seq, attn, prompt_len)
+    pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
+                             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
+    vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
+                            clip=cfg.vf_clip, agg=cfg.agg, norm_len=cfg.norm_len)
+    entropy = ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.norm_len)
+    loss = pg + cfg.vf_coef * vl
+    if cfg.ent_coef:
+        loss = loss - cfg.ent_coef * entropy
+    metrics = dict(loss=loss, policy_loss=pg, value_loss=vl, entropy=entropy, clipfrac=pm["clipfrac"],
+                   approx_kl=pm["approx_kl"], ratio_mean=pm["ratio_mean"], ratio_min=pm["ratio_min"],
+                   ratio_max=pm["ratio_max"], value_clipfrac=vm["clipfrac"], value_mean=vm["value_mean"])
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs):
+    """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`)."""
+    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg)
+    scale = accumulation_scale(batch["response_mask"], mode=cfg.agg, total_tokens=total_tokens,
+                               total_seqs=total_seqs)
+    return loss * scale, metrics
+
+
+_FIRST = ("ratio_min", "ratio_max", "ratio_mean", "approx_kl", "clipfrac")
+
+
+def update(
+    state: PPOState,
+    batch: dict,
+    rng: jax.Array,
+    *,
+    actor_model: Transformer,
+    critic_model: Transformer | None,
+    tx_actor: optax.GradientTransformation,
+    tx_critic: optax.GradientTransformation | None,
+    cfg: PPOConfig,
+) -> tuple[PPOState, dict]:
+    """K epochs × M shuffled minibatches (× micro-batches), one `lax.scan` of K·M steps.
+
+    Each epoch draws a fresh permutation of the N rows. A minibatch whose gradients (or
+    loss) are not finite is skipped: params and optimizer state stay as they were, and the
+    metric `finite` turns False. Metrics are means over minibatches, except `ratio_min/max`
+    (min/max) and `first_*` (the first minibatch of the first epoch, where the ratio must
+    be 1: a mismatch means old log-probs do not match the trainer's forward pass).
+    """
+    n = batch["response_mask"].shape[0]
+    k, m = cfg.num_ppo_epochs, cfg.num_minibatches
+    if n % m:
+        raise ValueError(f"{n} sequences do not split into num_minibatches={m}")
+    mb_size = n // m
+    if mb_size % cfg.num_microbatches:
+        raise ValueError(f"minibatch of {mb_size} does not split into num_microbatches={cfg.num_microbatches}")
+    perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, k))
+    index = perms.reshape(k * m, mb_size)
+
+    def step(carry, idx):
+        actor, critic = carry
+        mb = jax.tree.map(lambda x: x[idx], batch)
+        total_tokens = jnp.sum(mb["response_mask"], dtype=jnp.float32)
+        lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
+                               total_tokens=total_tokens, total_seqs=mb_size)
+        params = {"actor": actor.params, "critic": None if critic is None else critic.params}
+        loss, metrics, grads = accumulate_gradients(lambda p, b, _: lf(p, b), params, mb,
+                                                    num_microbatches=cfg.num_microbatches)
+        finite = tree_finite(grads) & jnp.isfinite(loss)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_actor = keep(actor.apply_gradients(grads["actor"], tx_actor), actor)
+        new_critic = None
+        metrics = dict(metrics, finite=finite, grad_norm=optax.global_norm(grads["actor"]))
+        if critic is not None:
+            new_critic = keep(critic.apply_gradients(grads["critic"], tx_critic), critic)
+            metrics["grad_norm_critic"] = optax.global_norm(grads["critic"])
+        return (new_actor, new_critic), metrics
+
+    (actor, critic), per_step = jax.lax.scan(step, (state.actor, state.critic), index)
+    metrics = {key: jnp.mean(v) for key, v in per_step.items() if key != "finite"}
+    metrics["ratio_min"] = jnp.min(per_step["ratio_min"])
+    metrics["ratio_max"] = jnp.max(per_step["ratio_max"])
+    metrics["finite"] = jnp.all(per_step["finite"])
+    metrics["skipped_updates"] = jnp.sum(~per_step["finite"]).astype(jnp.int32)
+    for key in _FIRST:
+        metrics[f"first_{key}"] = per_step[key][0]
+    return state.replace(actor=actor, critic=critic), metrics
+
+
+# --------------------------------------------------------------------------------------
+# One iteration
+
+
+def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cfg: PPOConfig) -> dict:
+    """SPEC §7 rollout-side metrics (all float32 scalars)."""
+    mask = roll.response_mask
+    length = jnp.sum(mask, axis=1).astype(jnp.float32)
+    k1 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k1")
+    k3 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k3")
+    out = dict(
+        score_mean=jnp.mean(raw_scores), score_std=jnp.std(raw_scores),
+        score_processed_mean=jnp.mean(scores),
+        shaped_reward_mean=jnp.mean(jnp.sum(adv.rewards, axis=1)),
+        kl_k1=ops.masked_mean(k1, mask), kl_k3=ops.masked_mean(k3, mask),
+        kl_seq=jnp.mean(jnp.sum(adv.kl, axis=1)),  # nats per response, the controller's input
+        beta=jnp.asarray(beta, jnp.float32),
+        response_length_mean=jnp.mean(length), response_length_max=jnp.max(length),
+        advantage_mean=ops.masked_mean(adv.raw_advantages, mask),
+        advantage_std=jnp.sqrt(ops.masked_var(adv.raw_advantages, mask)),
+        returns_mean=ops.masked_mean(adv.returns, mask),
+        values_mean=ops.masked_mean(roll.values, mask),
+        sampler_logp_diff_max=jnp.max(jnp.where(mask, jnp.abs(roll.sampler_logp - roll.old_logp), 0.0)),
+        num_tokens=jnp.sum(mask, dtype=jnp.float32),
+    )
+    if cfg.sampling.eos_id is not None:
+        has_eos = jnp.any((roll.response_ids == cfg.sampling.eos_id) & mask, axis=1)
+        out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))
+    return out
+
+
+def _phases(actor_model, critic_model, reward: Reward, tx_actor, tx_critic, cfg: PPOConfig):
+    """The three phases of an iteration as traceable functions."""
+    s = cfg.sampling
+
+    def rollout(state: PPOState, prompt_ids, prompt_mask, rng):
+        out = sample(actor_model, state.actor.params, prompt_ids, prompt_mask, rng,
+                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                     eos_id=s.eos_id, pad_id=s.pad_id, num_samples=s.num_samples)
+        return out.sequences, out.attention_mask, out.logprobs
+
+    def score(state: PPOState, sequences, attention_mask, sampler_logp, extras):
+        p = sequences.shape[1] - s.max_new_tokens
+        roll = score_rollout(actor_model, critic_model, reward, state, sequences, attention_mask, p, cfg,
+                             sampler_logp=sampler_logp, extras=extras)
+        scores, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg)
+        beta = state.kl_ctl.beta
+        adv = compute_advantages(scores, roll.old_logp, roll.ref_logp, roll.values, roll.response_mask, beta, cfg)
+        metrics = rollout_metrics(roll, adv, roll.scores, scores, beta, cfg)
+        batch = dict(sequences=roll.sequences, attention_mask=roll.attention_mask,
+                     response_mask=roll.response_mask, old_logp=roll.old_logp, old_values=roll.values,
+                     advantages=adv.advantages, returns=adv.returns)
+        kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], sequences.shape[0], cfg=cfg.kl_config)
+        metrics["beta_next"] = kl_ctl.beta
+        return state.replace(reward_stats=stats, kl_ctl=kl_ctl), batch, metrics
+
+    def train(state: PPOState, batch, rng):
+        state, metrics = update(state, batch, rng, actor_model=actor_model, critic_model=critic_model,
+                                tx_actor=tx_actor, tx_critic=tx_critic, cfg=cfg)
+        return state.replace(step=state.step + 1), metrics
+
+    return rollout, score, train
+
+
+def _repeat_extras(extras, g):
+    if extras is None or g == 1:
+        return extras
+    return jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), extras)
+
+
+def make_iteration(
+    actor_model: Transformer,
+    critic_model: Transformer | None,
+    reward_model: Any,
+    tx_actor: optax.GradientTransformation,
+    tx_critic: optax.GradientTransformation | None,
+    cfg: PPOConfig,
+    *,
+    lr_schedule: optax.Schedule | None = None,
+    fused: bool = True,
+    donate: bool = True,
+) -> Callable[..., tuple[PPOState, dict]]:
+    """`iteration(state, prompt_ids [B, P], prompt_mask [B, P], rng, extras=None) -> (state, metrics)`.
+
+    reward_model: any form `as_reward` accepts; a reward model's params are read from
+      `state.reward_params` (a `(model, params)` tuple's params are NOT baked in: give them
+      to `init_state`). extras: a pytree of `[B, ...]` arrays handed to a response reward
+      (repeated for the G samples of a prompt).
+    lr_schedule: the actor's schedule, to report `lr`.
+    fused=True: rollout, scoring, GAE and all epochs are ONE jitted program (the state is
+      donated when `donate`). fused=False: three jitted phases, with host wall-clock times
+      `time_rollout_s`, `time_scoring_s`, `time_update_s` and `tokens_per_s` in the
+      metrics (the time split of SPEC §7).
+
+    The RNG of iteration `i` is `fold_in(rng, state.step)`: pass the same base key every time.
+    """
+    _check_models(actor_model, critic_model, cfg)
+    reward, _ = as_reward(reward_model)
+    check_vocab(actor_model.config.vocab_size, reward.vocab_size)
+    if not cfg.shared and tx_critic is None:
+        raise ValueError("critic='separate' needs tx_critic")
+    rollout, score, train = _phases(actor_model, critic_model, reward, tx_actor, tx_critic, cfg)
+    g = cfg.sampling.num_samples
+
+    def lr_of(state):
+        return {} if lr_schedule is None else {"lr": jnp.asarray(lr_schedule(state.actor.step), jnp.float32)}
+
+    def fused_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
+        key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
+        lr = lr_of(state)
+        seq, attn, slogp = rollout(state, prompt_ids, prompt_mask, key_sample)
+        state, batch, m_roll = score(state, seq, attn, slogp, _repeat_extras(extras, g))
+        state, m_upd = train(state, batch, key_update)
+        finite = m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
+        return state, {**m_roll, **m_upd, **lr, "finite": finite}
+
+    if fused:
+        return jax.jit(fused_iteration, donate_argnames=("state",) if donate else ())
+
+    j_rollout = jax.jit(rollout)
+    j_score = jax.jit(score)
+    j_train = jax.jit(train, donate_argnames=("state",) if donate else ())
+
+    def timed_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
+        key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
+        lr = lr_of(state)
+        t0 = time.perf_counter()
+        seq, attn, slogp = jax.block_until_ready(j_rollout(state, prompt_ids, prompt_mask, key_sample))
+        t1 = time.perf_counter()
+        state, batch, m_roll = jax.block_until_ready(j_score(state, seq, attn, slogp, _repeat_extras(extras, g)))
+        t2 = time.perf_counter()
+        state, m_upd = jax.block_until_ready(j_train(state, batch, key_update))
+        t3 = time.perf_counter()
+        finite = m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
+        tokens = float(m_roll["num_tokens"])
+        return state, {**m_roll, **m_upd, **lr, "finite": finite, "time_rollout_s": t1 - t0,
+                       "time_scoring_s": t2 - t1, "time_update_s": t3 - t2,
+                       "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
+
+    return timed_iteration
