@@ -1,0 +1,205 @@
+"""Training-health monitor (SPEC §7): the known failure signatures of RLHF-PPO/GRPO runs,
+checked on the per-step metric dicts the algorithms return.
+
+    monitor = HealthMonitor(MonitorConfig(kl_target=6.0, clip=0.2))
+    for step in range(num_steps):
+        state, metrics = iteration(state, prompts, mask, rng)
+        warnings = monitor.check(metrics, step)   # raises NonFiniteError on NaN/Inf
+        if step % save_every == 0:
+            save(state)                           # only reached with finite metrics
+
+Warnings are logged (`logging.getLogger("jaxrlhf.monitor")`, WARNING) and returned as
+strings that start with their code in brackets:
+
+- `[kl]`         KL to the reference above `kl_factor` × target (policy drifting away;
+                 raise β or lower the learning rate).
+- `[clipfrac]`   clip fraction above `clipfrac_max` for `clipfrac_patience` consecutive
+                 steps (updates too large: lower lr, epochs or clip range).
+- `[first_ratio]` at the first minibatch of the first epoch the policy has not moved yet,
+                 so the ratio must be 1: a ratio beyond `[1/(1+k·ε), 1+k·ε]` or an
+                 approx KL above `first_approx_kl_max` means the old log-probs do not
+                 match the trainer's forward pass (wrong shift, temperature, padding,
+                 dtype, or log-probs taken from another engine).
+- `[sampler_logp]` the sampler's own log-probs differ from the trainer's recomputation by
+                 more than `sampler_logp_diff_max` nats (diagnostic of the same).
+- `[value_loss]` value loss above `value_loss_factor` × its running median (critic
+                 diverging; lower its lr or use value clipping).
+- `[length_hacking]` over the last `length_window` steps the reward rose while the mean
+                 response length grew by more than `length_growth` (relative): the policy
+                 may be exploiting a length bias of the reward.
+
+Any NaN/Inf among the metrics (or `finite == False`) raises `NonFiniteError`: the train
+loop must catch it before writing a checkpoint (and stop, or restore the last good one).
+A check whose metric is absent from the dict is skipped, so the monitor serves GRPO
+(no critic, no value loss) too.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import statistics
+from typing import Any, Mapping
+
+import numpy as np
+
+logger = logging.getLogger("jaxrlhf.monitor")
+
+
+class NonFiniteError(FloatingPointError):
+    """A metric was NaN/Inf (or the step reported non-finite gradients).
+
+    Attributes: `step`, `keys` (the offending metric names).
+    """
+
+    def __init__(self, step: int | None, keys: list[str]):
+        self.step = step
+        self.keys = list(keys)
+        super().__init__(f"non-finite training metrics at step {step}: {', '.join(self.keys)} — "
+                         f"stop before writing a checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """Thresholds of the health checks. Defaults and what they mean:
+
+    kl_target: the target KL (same units as `kl_key`), None = no KL check. kl_factor:
+      warn when KL > kl_factor × kl_target (default 3: "far past" the target).
+    kl_key: the KL metric (PPO: "kl_seq", nats per response, what the controller targets).
+    clipfrac_max: 0.3 — PPO clip fractions of 0.1–0.2 are usual, above 0.3 for long is not.
+    clipfrac_patience: 5 consecutive steps (repeats every 5 more while it persists).
+    clip: the PPO clip ε, to scale the first-minibatch ratio bound.
+    first_ratio_factor: 10 — the first-minibatch ratio must stay in
+      [1/(1 + 10ε), 1 + 10ε] (= [1/3, 3] for ε = 0.2); in a healthy run it is 1 ± 1e-6.
+    first_approx_kl_max: 1e-3 nats per token at the first minibatch.
+    sampler_logp_diff_max: 1.0 nat, max |sampler logp − trainer logp| over tokens.
+    value_loss_factor: 10 × the running median over the last `value_loss_window` (20)
+      steps, once `value_loss_min_history` (5) steps are known.
+    length_window: 10 steps; the first and last thirds are compared. length_growth: 0.5
+      (mean length up by 50 %); reward_rise: the score must rise by more than this
+      (absolute) too (default 0: any rise).
+    score_key, length_key: metric names for the length-hacking check.
+    """
+
+    kl_target: float | None = None
+    kl_factor: float = 3.0
+    kl_key: str = "kl_seq"
+    clipfrac_max: float = 0.3
+    clipfrac_patience: int = 5
+    clip: float = 0.2
+    first_ratio_factor: float = 10.0
+    first_approx_kl_max: float = 1e-3
+    sampler_logp_diff_max: float = 1.0
+    value_loss_factor: float = 10.0
+    value_loss_window: int = 20
+    value_loss_min_history: int = 5
+    length_window: int = 10
+    length_growth: float = 0.5
+    reward_rise: float = 0.0
+    score_key: str = "score_mean"
+    length_key: str = "response_length_mean"
+
+    def __post_init__(self):
+        if self.kl_target is not None and not self.kl_target > 0:
+            raise ValueError(f"MonitorConfig: kl_target must be > 0 or None, got {self.kl_target}")
+        for name in ("kl_factor", "clip", "first_ratio_factor", "value_loss_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MonitorConfig: {name} must be > 0, got {getattr(self, name)}")
+        for name in ("clipfrac_patience", "value_loss_window", "value_loss_min_history"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"MonitorConfig: {name} must be >= 1, got {getattr(self, name)}")
+        if self.length_window < 3:
+            raise ValueError(f"MonitorConfig: length_window must be >= 3, got {self.length_window}")
+
+
+def _scalar(value: Any) -> float | None:
+    try:
+        arr = np.asarray(value)
+    except Exception:  # not array-like (strings, objects): not a metric
+        return None
+    if arr.dtype.kind not in "biuf" or arr.size != 1:
+        return None
+    return float(arr.reshape(()))
+
+
+class HealthMonitor:
+    """Stateful checker over a stream of per-step metric dicts (pure Python, host side)."""
+
+    def __init__(self, config: MonitorConfig = MonitorConfig(), log: logging.Logger | None = None):
+        self.config = config
+        self.log = log or logger
+        self._clip_streak = 0
+        self._value_losses: collections.deque[float] = collections.deque(maxlen=config.value_loss_window)
+        self._scores: collections.deque[float] = collections.deque(maxlen=config.length_window)
+        self._lengths: collections.deque[float] = collections.deque(maxlen=config.length_window)
+        self._steps = 0
+
+    def check(self, metrics: Mapping[str, Any], step: int | None = None) -> list[str]:
+        """Checks one step's metrics. Returns the warnings (also logged); raises
+        `NonFiniteError` if any metric is NaN/Inf or `metrics["finite"]` is False."""
+        step = self._steps if step is None else step
+        self._steps += 1
+        values = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+        bad = sorted(k for k, v in values.items() if not math.isfinite(v))
+        if "finite" in values and math.isfinite(values["finite"]) and not values["finite"]:
+            bad.append("finite=False (non-finite gradients; the update was skipped)")
+        if bad:
+            raise NonFiniteError(step, bad)
+
+        c = self.config
+        out: list[str] = []
+        get = values.get
+
+        kl = get(c.kl_key)
+        if c.kl_target is not None and kl is not None and kl > c.kl_factor * c.kl_target:
+            out.append(f"[kl] step {step}: {c.kl_key} = {kl:.4g} is more than {c.kl_factor:g}× the target "
+                       f"{c.kl_target:g}: the policy is drifting from the reference (raise β / lower lr)")
+
+        clipfrac = get("clipfrac")
+        if clipfrac is not None:
+            self._clip_streak = self._clip_streak + 1 if clipfrac > c.clipfrac_max else 0
+            n = self._clip_streak
+            if n >= c.clipfrac_patience and (n - c.clipfrac_patience) % c.clipfrac_patience == 0:
+                out.append(f"[clipfrac] step {step}: clip fraction {clipfrac:.3f} > {c.clipfrac_max:g} for {n} "
+                           f"consecutive steps: updates are too large (lower lr / epochs)")
+
+        hi = 1.0 + c.first_ratio_factor * c.clip
+        r_max, r_min, fkl = get("first_ratio_max"), get("first_ratio_min"), get("first_approx_kl")
+        if (r_max is not None and r_max > hi) or (r_min is not None and r_min < 1.0 / hi) or (
+                fkl is not None and fkl > c.first_approx_kl_max):
+            out.append(f"[first_ratio] step {step}: at the first minibatch ratio in [{r_min}, {r_max}], "
+                       f"approx_kl {fkl} (expected 1 and 0): old log-probs do not match the trainer's "
+                       f"forward pass (shift, temperature, padding, dtype or another engine's log-probs)")
+
+        diff = get("sampler_logp_diff_max")
+        if diff is not None and diff > c.sampler_logp_diff_max:
+            out.append(f"[sampler_logp] step {step}: sampler and trainer log-probs differ by up to {diff:.3g} "
+                       f"nats (> {c.sampler_logp_diff_max:g})")
+
+        vl = get("value_loss")
+        if vl is not None:
+            if len(self._value_losses) >= c.value_loss_min_history:
+                median = statistics.median(self._value_losses)
+                if vl > c.value_loss_factor * max(median, 1e-12):
+                    out.append(f"[value_loss] step {step}: value loss {vl:.4g} is more than "
+                               f"{c.value_loss_factor:g}× its running median {median:.4g}: the critic is diverging")
+            self._value_losses.append(vl)
+
+        score, length = get(c.score_key), get(c.length_key)
+        if score is not None and length is not None:
+            self._scores.append(score)
+            self._lengths.append(length)
+            if len(self._lengths) == c.length_window:
+                third = max(c.length_window // 3, 1)
+                s0, s1 = np.mean(list(self._scores)[:third]), np.mean(list(self._scores)[-third:])
+                l0, l1 = np.mean(list(self._lengths)[:third]), np.mean(list(self._lengths)[-third:])
+                if s1 - s0 > c.reward_rise and l1 > (1.0 + c.length_growth) * max(l0, 1e-9):
+                    out.append(f"[length_hacking] step {step}: over {c.length_window} steps the reward rose "
+                               f"{s0:.4g} → {s1:.4g} while mean length grew {l0:.4g} → {l1:.4g} "
+                               f"(+{(l1 / max(l0, 1e-9) - 1) * 100:.0f}%): the reward may favour length")
+
+        for w in out:
+            self.log.warning(w)
+        return out
