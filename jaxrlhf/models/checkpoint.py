@@ -82,6 +82,34 @@ class _Tensor:
             return w.reshape(self.shape)
         return np.ascontiguousarray(w.T).reshape(self.shape)
 
+    def read_block(self, hf_slice, index: tuple[slice, ...]) -> np.ndarray:
+        """`from_hf(whole)[index]`, reading only the rows/columns of the HF tensor it needs.
+
+        `hf_slice` is a safetensors `get_slice(name)` (anything indexable by a tuple of
+        slices). Each HF axis merges a group of our axes (a Linear weight `[out, in]` is
+        `[our trailing axes, our leading axes]`); the slice of a group's first axis maps to
+        one contiguous HF range, the slices of its other axes are applied after the read.
+        """
+        nd = len(self.shape)
+        index = tuple(index) + (slice(None),) * (nd - len(index))
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, self.shape)]
+        if self.in_axes is None:
+            groups = [list(range(nd))] if len(self.hf_shape) == 1 and nd > 1 else [[i] for i in range(nd)]
+        else:
+            groups = [list(range(self.in_axes, nd)), list(range(self.in_axes))]
+        hf_index, block_shape = [], []
+        for g in groups:
+            trail = int(np.prod([self.shape[i] for i in g[1:]]))
+            start, stop = bounds[g[0]]
+            hf_index.append(slice(start * trail, stop * trail))
+            block_shape += [stop - start] + [self.shape[i] for i in g[1:]]
+        block = np.asarray(hf_slice[tuple(hf_index)]).reshape(block_shape)
+        order = [i for g in groups for i in g]
+        block = block.transpose(np.argsort(order))
+        leads = {g[0] for g in groups}
+        rest = tuple(slice(None) if i in leads else slice(*bounds[i]) for i in range(nd))
+        return np.ascontiguousarray(block[rest])
+
     def to_hf(self, p: np.ndarray) -> np.ndarray:
         if self.in_axes is None:
             return np.ascontiguousarray(p.reshape(self.hf_shape))
@@ -236,8 +264,11 @@ def load_pretrained(
         both are logged as warnings.
       remat: rematerialise each decoder layer in the backward pass.
       seed: seeds the freshly initialised head parameters, if any.
-      shardings: optional pytree like the params of `jax.sharding.Sharding`s; each tensor is
-        placed with its sharding as it is read, so the full model never sits on one device.
+      shardings: optional pytree like the params of `jax.sharding.Sharding`s, or a function
+        `Transformer -> pytree` (e.g. `lambda m: parallel.param_shardings(m, mesh, rules)`).
+        Each tensor is then built with `jax.make_array_from_callback`: every device reads
+        only its own slice of the safetensors file, so neither a host nor a device ever
+        holds the full model (in a multi-process run each process reads its devices' shards).
 
     Returns:
       `(model, params)`; `model.apply({"params": params}, ids, mask)`.
@@ -291,6 +322,8 @@ def load_pretrained(
                        path, [".".join(t.path) for t in fresh], "it" if len(fresh) == 1 else "them", seed)
 
     target = jnp.dtype(param_dtype)
+    if callable(shardings):
+        shardings = shardings(Transformer(config, head))
     place = (lambda x, t: jax.device_put(x, _get(shardings, t.path))) if shardings is not None else (
         lambda x, t: jax.device_put(x))
     params: dict = {}
@@ -310,6 +343,11 @@ def load_pretrained(
                 if shape != t.hf_shape:
                     raise CheckpointError(f"{fname}: tensor {t.hf_name!r} has shape {shape}, expected "
                                           f"{t.hf_shape}")
+                if shardings is not None:
+                    hf_slice = f.get_slice(t.hf_name)
+                    read = lambda index, t=t, hf_slice=hf_slice: t.read_block(hf_slice, index).astype(target)
+                    _set(params, t.path, jax.make_array_from_callback(t.shape, _get(shardings, t.path), read))
+                    continue
                 w = f.get_tensor(t.hf_name)
                 _set(params, t.path, place(t.from_hf(w).astype(target), t))
     if tied_lm_head:
@@ -343,16 +381,29 @@ def _architecture(model: Transformer) -> tuple[str, int | None]:
     return ("ForSequenceClassification", 1) if model.head == "score" else ("ForCausalLM", None)
 
 
-def _shard(tensors: list[tuple[str, np.ndarray]], max_bytes: int) -> list[list[tuple[str, np.ndarray]]]:
-    shards: list[list[tuple[str, np.ndarray]]] = [[]]
+def _nbytes(p) -> int:
+    return int(np.prod(p.shape)) * jnp.dtype(p.dtype).itemsize
+
+
+def _shard(tensors: list[tuple[_Tensor, Any]], max_bytes: int) -> list[list[tuple[_Tensor, Any]]]:
+    """Greedy split in order; a tensor larger than `max_bytes` gets a shard of its own."""
+    shards: list[list[tuple[_Tensor, Any]]] = [[]]
     size = 0
-    for name, w in tensors:
-        if shards[-1] and size + w.nbytes > max_bytes:
+    for t, p in tensors:
+        if shards[-1] and size + _nbytes(p) > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, w))
-        size += w.nbytes
+        shards[-1].append((t, p))
+        size += _nbytes(p)
     return shards
+
+
+def _write_shard(shard, fname: str) -> None:
+    """Gathers one shard's tensors to host memory (only that shard's) and writes them."""
+    from safetensors.numpy import save_file
+
+    save_file({t.hf_name: t.to_hf(np.asarray(jax.device_get(p))) for t, p in shard}, fname,
+              metadata={"format": "pt"})
 
 
 def save_pretrained(
@@ -370,7 +421,7 @@ def save_pretrained(
     Head "lm" is saved as `<Family>ForCausalLM`, "score" as `<Family>ForSequenceClassification`
     with `num_labels=1`, and "lm_value" as the causal LM *without* its value head (HF has no
     such class; save the value head separately if you need it). Tensors keep the params'
-    dtype. One `model.safetensors` if the tensors fit in `max_shard_bytes`, else shards
+    dtype and are gathered to host memory one shard at a time (single-host). One `model.safetensors` if the tensors fit in `max_shard_bytes`, else shards
     `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
 
     The folder is written into a temporary sibling and renamed into place, so a crash
@@ -381,8 +432,6 @@ def save_pretrained(
       tokenizer: saved alongside with its own `save_pretrained`, if given.
       generation_config: written to `generation_config.json`, if given.
     """
-    from safetensors.numpy import save_file
-
     config = model.config
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
@@ -399,12 +448,12 @@ def save_pretrained(
             raise KeyError(f"params lack {'/'.join(t.path)} (HF tensor {t.hf_name!r})") from None
         if tuple(p.shape) != t.shape:
             raise ValueError(f"params {'/'.join(t.path)} has shape {tuple(p.shape)}, expected {t.shape}")
-        tensors.append((t.hf_name, t.to_hf(np.asarray(jax.device_get(p)))))
-    dtypes = {str(w.dtype) for _, w in tensors}
+        tensors.append((t, p))
+    dtypes = {jnp.dtype(p.dtype).name for _, p in tensors}
     stored = dtypes.pop() if len(dtypes) == 1 else config.param_dtype
-    hf_dict = to_hf_dict(config.replace(param_dtype=stored if stored in ("float32", "bfloat16", "float16")
-                                        else config.param_dtype),
-                         architecture=arch, num_labels=num_labels)
+    if stored not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"params have dtype {stored}; expected float32, bfloat16 or float16")
+    hf_dict = to_hf_dict(config.replace(param_dtype=stored), architecture=arch, num_labels=num_labels)
     hf_dict["dtype"] = hf_dict["torch_dtype"]
 
     parent = os.path.dirname(out_dir)
@@ -415,14 +464,14 @@ def save_pretrained(
             json.dump(hf_dict, f, indent=2, sort_keys=True)
         shards = _shard(tensors, max_shard_bytes)
         if len(shards) == 1:
-            save_file(dict(shards[0]), os.path.join(tmp, SAFE_WEIGHTS), metadata={"format": "pt"})
+            _write_shard(shards[0], os.path.join(tmp, SAFE_WEIGHTS))
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(dict(shard), os.path.join(tmp, fname), metadata={"format": "pt"})
-                weight_map.update({name: fname for name, _ in shard})
-            index = {"metadata": {"total_size": int(sum(w.nbytes for _, w in tensors))},
+                _write_shard(shard, os.path.join(tmp, fname))
+                weight_map.update({t.hf_name: fname for t, _ in shard})
+            index = {"metadata": {"total_size": sum(_nbytes(p) for _, p in tensors)},
                      "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(tmp, SAFE_INDEX), "w") as f:
                 json.dump(index, f, indent=2)
