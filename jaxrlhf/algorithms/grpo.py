@@ -1,0 +1,613 @@
+"""The GRPO family as pure functions: GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++.
+
+All of them sample `G` responses per prompt, score them, turn the scores into critic-free
+advantages and take clipped policy-gradient steps (SPEC §4–§6). They differ only in
+options of one `GRPOConfig` (see `preset`):
+
+- advantage: group-normalised "grpo" (Shao et al. 2024, arXiv:2402.03300), "dr_grpo"
+  (no std, Liu et al. 2025, arXiv:2503.20783), leave-one-out "rloo" (Ahmadian et al.
+  2024, arXiv:2402.14740), or "reinforce_pp": sequence scores broadcast to their tokens
+  and whitened over the whole batch, no group baseline (REINFORCE++, Hu 2025,
+  arXiv:2501.03262; here the KL stays in the loss, as in GRPO).
+- loss: `ops.policy_loss` with clip-higher and dual clip, any `ops.aggregate` mode, plus
+  `β·agg(k3)` to a frozen reference (β = 0: no reference model at all) and an entropy bonus.
+- ratio: per token, or per sequence (GSPO, Zheng et al. 2025, arXiv:2507.18071):
+  `s_i = exp(mean_t(logp − old_logp))`, broadcast to the tokens of response i and clipped.
+- DAPO (Yu et al. 2025, arXiv:2503.14476): dynamic sampling (groups whose scores are all
+  equal carry no signal; an oversampled prompt pool is filtered inside the step so that the
+  update batch keeps a fixed size) and the soft overlong penalty.
+
+    cfg = grpo.GRPOConfig(sampling=SamplingConfig(max_new_tokens=64, num_samples=8))
+    state = grpo.init_state(params, tx)
+    iteration = grpo.make_iteration(model, tx, cfg, reward)
+    state, metrics = iteration(state, prompt_ids, prompt_mask, extras, rng)
+
+`make_iteration` compiles rollout → reward → advantages → μ×minibatch update into one XLA
+program when the reward is pure JAX; with a host (Python) reward it runs two programs,
+rollout + JAX scoring, then the update, with the host reward in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrlhf import ops
+from jaxrlhf import rewards as rewards_lib
+from jaxrlhf.algorithms import common
+from jaxrlhf.algorithms.experience import SamplingConfig, score_responses
+from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.rollout.sampler import SampleOutput, sample
+
+PyTree = Any
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Every option of the GRPO family (validated on construction).
+
+    Attributes:
+      sampling: how responses are drawn; `sampling.num_samples` is the group size G.
+      advantage: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp" (see the module docstring).
+      adv_eps: ε of "grpo" advantages `(s − mean)/(std + ε)` (TRL uses 1e-4).
+      beta: coefficient of `agg(KL)` in the loss; 0 needs no reference model.
+      kl_estimator: "k3" (SPEC §3, the GRPO choice), or "k1" / "k2".
+      clip_low, clip_high: ε_low, ε_high of the clipped ratio (clip_high None = clip_low;
+        DAPO's clip-higher is clip_high > clip_low).
+      dual_clip: c > 1 bounds the loss of negative-advantage tokens (None: off).
+      agg: loss aggregation, one of `ops.aggregate`'s four modes.
+      norm_len: L of "seq-mean-token-sum-norm"; None means `sampling.max_new_tokens`.
+      entropy_coef: c_ent of the entropy bonus `− c_ent·agg(entropy)`.
+      num_iterations: μ, passes over each rollout batch (μ > 1 reuses the rollout's old
+        log-probs, so the ratio moves away from 1 after the first minibatch).
+      num_minibatches: optimizer steps per pass (shuffled minibatches).
+      num_microbatches: gradient-accumulation chunks per minibatch (same result as one
+        chunk: `common.accumulation_scale` keeps the normalisation).
+      ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
+      dynamic_sampling: zero the advantages of groups whose scores are all equal and, with
+        `prompts_per_step`, keep only groups with signal from an oversampled prompt pool.
+      prompts_per_step: groups in the update batch under dynamic sampling (the iteration is
+        then given a pool of at least this many prompts); None keeps every prompt.
+      overlong_max_len, overlong_cache: DAPO's soft overlong penalty in tokens
+        (`overlong_penalty`); None turns it off.
+      overlong_coef: weight of that penalty, added to the score before advantages.
+    """
+
+    sampling: SamplingConfig
+    advantage: str = "grpo"
+    adv_eps: float = 1e-6
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    norm_len: int | None = None
+    entropy_coef: float = 0.0
+    num_iterations: int = 1
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    ratio_level: str = "token"
+    dynamic_sampling: bool = False
+    prompts_per_step: int | None = None
+    overlong_max_len: int | None = None
+    overlong_cache: int = 0
+    overlong_coef: float = 1.0
+
+    def __post_init__(self):
+        def fail(msg):
+            raise ValueError(f"GRPOConfig: {msg}")
+
+        if not isinstance(self.sampling, SamplingConfig):
+            fail(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+        for name, allowed in (("advantage", ADVANTAGES), ("ratio_level", RATIO_LEVELS),
+                              ("kl_estimator", KL_ESTIMATORS), ("agg", AGG_MODES)):
+            if getattr(self, name) not in allowed:
+                fail(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
+        g = self.sampling.num_samples
+        if self.advantage != "reinforce_pp" and g < 2:
+            fail(f"advantage {self.advantage!r} compares responses within a group: sampling.num_samples "
+                 f"(G) must be >= 2, got {g}")
+        if self.dynamic_sampling and g < 2:
+            fail(f"dynamic_sampling needs groups: sampling.num_samples must be >= 2, got {g}")
+        if self.sampling.temperature <= 0:
+            fail(f"sampling.temperature must be > 0 for policy-gradient training, got {self.sampling.temperature}")
+        if self.adv_eps < 0:
+            fail(f"adv_eps must be >= 0, got {self.adv_eps}")
+        if self.beta < 0:
+            fail(f"beta must be >= 0, got {self.beta}")
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
+            fail(f"clip_low and clip_high must be > 0, got {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            fail(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.norm_len is not None and self.norm_len <= 0:
+            fail(f"norm_len must be > 0, got {self.norm_len}")
+        for name in ("num_iterations", "num_minibatches", "num_microbatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                fail(f"{name} must be an int >= 1, got {v!r}")
+        if self.prompts_per_step is not None:
+            if not self.dynamic_sampling:
+                fail("prompts_per_step selects groups from an oversampled pool: it needs dynamic_sampling=True")
+            if self.prompts_per_step < 1:
+                fail(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.overlong_max_len is not None:
+            if not 0 <= self.overlong_cache < self.overlong_max_len:
+                fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), "
+                     f"got {self.overlong_cache}")
+
+    @property
+    def group_size(self) -> int:
+        return self.sampling.num_samples
+
+    @property
+    def loss_norm_len(self) -> int:
+        return self.sampling.max_new_tokens if self.norm_len is None else self.norm_len
+
+    @property
+    def reuses_rollout_logp(self) -> bool:
+        """μ = 1 with one minibatch: the policy being updated *is* the rollout policy, so the
+        old log-probs are the training forward's own (stop-gradient), ratio exactly 1, and
+        no separate scoring pass is needed."""
+        return self.num_iterations == 1 and self.num_minibatches == 1
+
+
+_PRESETS = {
+    # Original GRPO (DeepSeekMath): per-sequence token means, k3 KL in the loss.
+    "grpo": dict(advantage="grpo", agg="seq-mean-token-mean", beta=0.04),
+    # Dr. GRPO: no std division, a constant length normaliser, no KL.
+    "dr_grpo": dict(advantage="dr_grpo", agg="seq-mean-token-sum-norm", beta=0.0),
+    # DAPO: clip-higher, token-level loss, dynamic sampling, soft overlong penalty, no KL.
+    "dapo": dict(advantage="grpo", agg="token-mean", clip_low=0.2, clip_high=0.28, beta=0.0,
+                 dynamic_sampling=True),
+    # GSPO: sequence-level ratio with a tight clip range, sequence-mean loss.
+    "gspo": dict(advantage="grpo", ratio_level="sequence", agg="seq-mean-token-mean", clip_low=3e-4,
+                 clip_high=4e-4, beta=0.0),
+    # RLOO: leave-one-out baseline, one on-policy pass (the clip is then inactive).
+    "rloo": dict(advantage="rloo", agg="seq-mean-token-mean", beta=0.0, num_iterations=1),
+    # REINFORCE++: global whitening of the sequence scores, token-level loss.
+    "reinforce_pp": dict(advantage="reinforce_pp", agg="token-mean", beta=0.0),
+}
+
+
+def preset(name: str, sampling: SamplingConfig, **overrides) -> GRPOConfig:
+    """A `GRPOConfig` for a named variant ("grpo", "dr_grpo", "dapo", "gspo", "rloo",
+    "reinforce_pp"); `overrides` change any field. "dapo" also turns on the overlong
+    penalty with `overlong_max_len = max_new_tokens`, `overlong_cache = max_new_tokens // 5`.
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {tuple(_PRESETS)}")
+    fields = dict(_PRESETS[name])
+    if name == "dapo":
+        fields.update(overlong_max_len=sampling.max_new_tokens,
+                      overlong_cache=max(sampling.max_new_tokens // 5, 0))
+    fields.update(overrides)
+    return GRPOConfig(sampling=sampling, **fields)
+
+
+@flax.struct.dataclass
+class GRPOState:
+    """The policy's `TrainState`, the frozen reference parameters (or None), iterations done."""
+
+    policy: common.TrainState
+    ref_params: PyTree
+    step: jax.Array
+
+
+def init_state(params, tx: optax.GradientTransformation, ref_params=None) -> GRPOState:
+    """The state of a run; pass `ref_params` (usually the starting params) when β > 0."""
+    return GRPOState(policy=common.TrainState.create(params, tx), ref_params=ref_params,
+                     step=jnp.zeros((), jnp.int32))
+
+
+class Batch(NamedTuple):
+    """One update batch of `N` responses (prompt length P, response length T).
+
+    sequences, attention_mask: `[N, P + T]` prompt ⧺ response.
+    response_mask: `[N, T]`, 1 on valid response tokens.
+    advantages: `[N, T]` float32 per-token advantages.
+    old_logp: `[N, T]` rollout-policy log-probs, or None: the current policy is the rollout
+      policy (μ = 1, one minibatch) and the loss uses its own log-probs, stop-gradient.
+    ref_logp: `[N, T]` reference log-probs, or None when β = 0.
+    sampler_logp: `[N, T]` the sampler's log-probs (diagnostic `logp_mismatch`), or None.
+    """
+
+    sequences: jax.Array
+    attention_mask: jax.Array
+    response_mask: jax.Array
+    advantages: jax.Array
+    old_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    sampler_logp: jax.Array | None = None
+
+
+# --------------------------------------------------------------------------- scores
+
+
+def overlong_penalty(lengths: jax.Array, *, max_len: int, cache_len: int) -> jax.Array:
+    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13), lengths in tokens:
+
+        0                                  if len ≤ L_max − L_cache
+        ((L_max − L_cache) − len) / L_cache if L_max − L_cache < len ≤ L_max
+        −1                                 if len > L_max
+
+    Args:
+      lengths: `[N]` valid response tokens (EOS included).
+      max_len: L_max. cache_len: L_cache (0: a hard −1 beyond L_max only).
+
+    Returns: `[N]` float32 penalties in [−1, 0].
+    """
+    lengths = jnp.asarray(lengths, jnp.float32)
+    start = float(max_len - cache_len)
+    soft = (start - lengths) / max(float(cache_len), 1.0)
+    out = jnp.where(lengths <= start, 0.0, soft)
+    return jnp.where(lengths > max_len, -1.0, out).astype(jnp.float32)
+
+
+def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Array) -> jax.Array:
+    """Per-token advantages `[N, T]` from sequence scores `[N]` (groups contiguous).
+
+    Group methods: `ops.group_advantages(scores, G, method, eps=cfg.adv_eps)` broadcast to
+    the valid tokens; "reinforce_pp": `ops.whiten` of the broadcast scores over the batch.
+    """
+    scores = jnp.asarray(scores, jnp.float32)
+    if scores.ndim != 1 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"compute_advantages: scores must be [N] with N = response_mask.shape[0] = "
+                         f"{response_mask.shape[0]}, got {scores.shape}")
+    g = cfg.group_size
+    if cfg.advantage == "reinforce_pp":
+        return ops.whiten(ops.broadcast_sequence(scores, response_mask), response_mask)
+    if scores.shape[0] % g:
+        raise ValueError(f"compute_advantages: {scores.shape[0]} responses do not split into groups of "
+                         f"G = sampling.num_samples = {g}; the batch must hold whole groups")
+    adv = ops.group_advantages(scores, g, method=cfg.advantage, eps=cfg.adv_eps)
+    return ops.broadcast_sequence(adv, response_mask)
+
+
+class GroupSelection(NamedTuple):
+    """Dynamic sampling's choice: `indices` `[K·G]` rows to keep, `has_signal` `[K]` for the
+    kept groups, `kept_fraction` (kept groups with signal / K) and `signal_fraction`
+    (groups with signal / groups sampled)."""
+
+    indices: jax.Array
+    has_signal: jax.Array
+    kept_fraction: jax.Array
+    signal_fraction: jax.Array
+
+
+def select_groups(scores: jax.Array, group_size: int, num_groups: int) -> GroupSelection:
+    """Keeps `num_groups` groups, those whose scores are not all equal first (in order),
+    then groups without signal as padding, so that the batch size stays fixed.
+
+    Args:
+      scores: `[M·G]` sequence scores of M ≥ num_groups contiguous groups.
+    """
+    n = scores.shape[0]
+    if n % group_size:
+        raise ValueError(f"select_groups: {n} scores do not split into groups of {group_size}")
+    m = n // group_size
+    if num_groups > m:
+        raise ValueError(f"dynamic sampling keeps {num_groups} groups per step but only {m} prompts were "
+                         "sampled: pass a prompt pool of at least prompts_per_step prompts")
+    s = scores.reshape(m, group_size)
+    has = jnp.max(s, axis=1) > jnp.min(s, axis=1)
+    order = jnp.argsort(jnp.where(has, 0, 1).astype(jnp.int32), stable=True)
+    keep = order[:num_groups]
+    indices = (keep[:, None] * group_size + jnp.arange(group_size)[None]).reshape(-1)
+    kept_signal = has[keep]
+    return GroupSelection(indices, kept_signal, jnp.mean(kept_signal.astype(jnp.float32)),
+                          jnp.mean(has.astype(jnp.float32)))
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def importance_logp(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, *, level: str = "token") -> jax.Array:
+    """The log-probs whose ratio to `old_logp` is the importance weight of the loss.
+
+    "token": `logp` itself. "sequence" (GSPO): `old_logp_t + mean_t(logp − old_logp)` on the
+    valid tokens of each response, so that `exp(· − old_logp) = s_i`, the length-normalised
+    sequence ratio, for every token of response i; its gradient is `s_i·mean_t ∇logp_t`.
+    """
+    if level == "token":
+        return logp
+    if level != "sequence":
+        raise ValueError(f"importance_logp: level must be 'token' or 'sequence', got {level!r}")
+    mask = mask.astype(bool)
+    diff = jnp.where(mask, logp - old_logp, 0.0)
+    mean_diff = ops.masked_mean(diff, mask, axis=1)
+    return jnp.where(mask, old_logp + mean_diff[:, None], logp)
+
+
+def loss_fn(
+    params,
+    batch: Batch,
+    cfg: GRPOConfig,
+    *,
+    model: Transformer,
+    total_tokens: jax.Array | None = None,
+    total_seqs: int | None = None,
+) -> tuple[jax.Array, dict]:
+    """The GRPO-family loss of one (micro)batch:
+
+        L = agg(l_clip(ρ, A)) + β·agg(kl(logp, ref_logp)) − c_ent·agg(entropy)
+
+    with `ρ` per token or per sequence (`cfg.ratio_level`). Given `total_tokens` (valid
+    tokens of the whole minibatch) and `total_seqs`, the loss is scaled to this chunk's
+    share of the minibatch loss (`common.accumulation_scale`), for accumulation.
+
+    Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `pg_loss`, `clipfrac`,
+    `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl` when β > 0, `logp_mismatch`
+    (max |logp − sampler_logp|) when the batch has sampler log-probs.
+    """
+    p = batch.sequences.shape[1] - batch.response_mask.shape[1]
+    mask = batch.response_mask.astype(bool)
+    logp, ent, _ = common.response_logprobs(model, params, batch.sequences, batch.attention_mask, p,
+                                            temperature=cfg.sampling.temperature, with_entropy=True)
+    old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
+    ratio_logp = importance_logp(logp, old_logp, mask, level=cfg.ratio_level)
+    agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len)
+    pg_loss, pg = ops.policy_loss(ratio_logp, old_logp, batch.advantages, mask, clip_low=cfg.clip_low,
+                                  clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **agg)
+    loss = pg_loss
+    metrics = dict(pg, pg_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
+    if cfg.beta > 0:
+        if batch.ref_logp is None:
+            raise ValueError("GRPO loss: beta > 0 needs ref_logp (a reference model)")
+        kl_BxT = ops.kl(logp, batch.ref_logp, estimator=cfg.kl_estimator)
+        loss = loss + cfg.beta * ops.aggregate(kl_BxT, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
+        metrics["kl"] = ops.masked_mean(jax.lax.stop_gradient(kl_BxT), mask)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
+    if batch.sampler_logp is not None:
+        gap = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp) - batch.sampler_logp), 0.0)
+        metrics["logp_mismatch"] = jnp.max(gap)
+    metrics["loss"] = jax.lax.stop_gradient(loss)
+    if total_tokens is not None:
+        seqs = batch.response_mask.shape[0] if total_seqs is None else total_seqs
+        loss = loss * common.accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=seqs)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- update
+
+_REDUCE_MAX = ("ratio_max", "logp_mismatch")
+_REDUCE_MIN = ("ratio_min",)
+
+
+def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer,
+           tx: optax.GradientTransformation, cfg: GRPOConfig) -> tuple[GRPOState, dict]:
+    """μ passes × `num_minibatches` optimizer steps on one rollout batch, in one `lax.scan`.
+
+    Each pass shuffles the rows (with `rng`) into minibatches; each minibatch's gradient is
+    accumulated over `num_microbatches` chunks. A step whose gradient is not finite is
+    skipped (parameters and optimizer state kept); `finite` is False if any was.
+
+    Returns: `(state, metrics)`: loss metrics averaged over the steps (`ratio_max` and
+    `logp_mismatch` maxed, `ratio_min` minimised; `first/ratio_max` from the first
+    minibatch), `grad_norm` (mean global norm before clipping), `finite`, `skipped_steps`.
+    """
+    n = batch.response_mask.shape[0]
+    mu, m, k = cfg.num_iterations, cfg.num_minibatches, cfg.num_microbatches
+    if n % (m * k):
+        raise ValueError(f"GRPO update: a batch of {n} responses does not split into num_minibatches={m} × "
+                         f"num_microbatches={k} equal parts")
+    if cfg.beta > 0 and batch.ref_logp is None:
+        raise ValueError("GRPO update: beta > 0 needs ref_logp in the batch (init_state(..., ref_params=...))")
+    mb_size = n // m
+    if m > 1:
+        perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, mu))
+        index = perms.reshape(mu * m, mb_size)
+    else:
+        index = jnp.zeros((mu, 0), jnp.int32)  # the whole batch each pass
+
+    def step(policy, idx):
+        mb = batch if m == 1 else jax.tree.map(lambda x: x[idx], batch)
+        total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
+        chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
+                                       total_seqs=mb_size)
+        loss, metrics, grads = common.accumulate_gradients(chunk_loss, policy.params, mb, num_microbatches=k)
+        finite = common.tree_finite(grads) & jnp.isfinite(loss)
+        stepped = policy.apply_gradients(grads, tx)
+        policy = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, policy)
+        return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
+
+    policy, stacked = jax.lax.scan(step, state.policy, index)
+    metrics = {}
+    for name, values in stacked.items():
+        if name in _REDUCE_MAX:
+            metrics[name] = jnp.max(values)
+        elif name in _REDUCE_MIN:
+            metrics[name] = jnp.min(values)
+        elif name == "finite":
+            metrics[name] = jnp.all(values)
+            metrics["skipped_steps"] = jnp.sum(~values)
+        else:
+            metrics[name] = jnp.mean(values)
+    metrics["first/ratio_max"] = stacked["ratio_max"][0]
+    metrics["first/ratio_min"] = stacked["ratio_min"][0]
+    return state.replace(policy=policy), metrics
+
+
+def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs):
+    del index
+    return loss_fn(params, chunk, cfg, model=model, total_tokens=total_tokens, total_seqs=total_seqs)
+
+
+# --------------------------------------------------------------------------- iteration
+
+
+def _repeat_rows(extras, g: int, n_prompts: int):
+    def rep(x):
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] != n_prompts:
+            raise ValueError(f"extras arrays must have one row per prompt ([B, ...] with B = {n_prompts}), "
+                             f"got shape {x.shape}")
+        return jnp.repeat(x, g, axis=0)
+    return {k: rep(v) for k, v in extras.items()}
+
+
+def _split_extras(extras):
+    extras = {} if extras is None else dict(extras)
+    arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
+    others = {k: v for k, v in extras.items() if not hasattr(v, "shape")}
+    return arrays, others
+
+
+def rollout(state: GRPOState, prompt_ids, prompt_mask, extras, rng, *, model: Transformer, cfg: GRPOConfig,
+            reward: rewards_lib.Reward) -> tuple[SampleOutput, dict]:
+    """Samples G responses per prompt and runs the reward's JAX components on them.
+
+    Returns: `(SampleOutput [N = B·G], {component: [N] scores})`.
+    """
+    s = cfg.sampling
+    key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
+    out = sample(model, state.policy.params, prompt_ids, prompt_mask, key, max_new_tokens=s.max_new_tokens,
+                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_id=s.eos_id, pad_id=s.pad_id,
+                 num_samples=s.num_samples)
+    extras_N = _repeat_rows(extras, s.num_samples, prompt_ids.shape[0])
+    return out, reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N)
+
+
+def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Transformer,
+          tx: optax.GradientTransformation, cfg: GRPOConfig, reward: rewards_lib.Reward,
+          schedule: Callable | None = None) -> tuple[GRPOState, dict]:
+    """Scores → (overlong penalty) → (dynamic selection) → advantages → old/ref log-probs →
+    `update`. `scores` holds every component of `reward`, `[N]` each."""
+    g = cfg.group_size
+    n_pool = out.response_ids.shape[0]
+    if cfg.beta > 0 and state.ref_params is None:
+        raise ValueError("GRPO with beta > 0 needs a reference model: init_state(params, tx, ref_params=...)")
+    total = reward.total(scores)
+    lengths = out.response_mask.sum(axis=1)
+    metrics = dict(reward.metrics(scores))
+    metrics.update({"reward/mean": jnp.mean(total), "reward/std": jnp.std(total),
+                    "response_length/mean": jnp.mean(lengths.astype(jnp.float32)),
+                    "response_length/max": jnp.max(lengths)})
+    shaped = total
+    if cfg.overlong_max_len is not None:
+        penalty = overlong_penalty(lengths, max_len=cfg.overlong_max_len, cache_len=cfg.overlong_cache)
+        shaped = total + cfg.overlong_coef * penalty
+        metrics["overlong/penalty_mean"] = jnp.mean(penalty)
+        metrics["overlong/clipped_fraction"] = jnp.mean(lengths > cfg.overlong_max_len - cfg.overlong_cache)
+    if cfg.dynamic_sampling:
+        k = n_pool // g if cfg.prompts_per_step is None else cfg.prompts_per_step
+        sel = select_groups(shaped, g, k)
+        out = jax.tree.map(lambda x: x[sel.indices], out)
+        shaped = shaped[sel.indices]
+        metrics.update({"dynamic/kept_fraction": sel.kept_fraction, "dynamic/signal_fraction": sel.signal_fraction})
+    mask = out.response_mask
+    adv = compute_advantages(shaped, cfg, mask)
+    if cfg.dynamic_sampling:
+        adv = jnp.where(jnp.repeat(sel.has_signal, g)[:, None], adv, 0.0)
+    n = mask.shape[0]
+    zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1) if n % g == 0 else jnp.all(adv == 0, axis=1)
+    var = ops.masked_var(adv, mask)
+    metrics.update({"advantage/mean": ops.masked_mean(adv, mask), "advantage/std": jnp.sqrt(var),
+                    "zero_adv_group_fraction": jnp.mean(zero_group.astype(jnp.float32))})
+
+    p = out.sequences.shape[1] - mask.shape[1]
+    temp = cfg.sampling.temperature
+    old_logp = None
+    if not cfg.reuses_rollout_logp:
+        old_logp = score_responses(model, state.policy.params, out.sequences, out.attention_mask, p, temperature=temp)
+    ref_logp = None
+    if cfg.beta > 0:
+        ref_logp = score_responses(model, state.ref_params, out.sequences, out.attention_mask, p, temperature=temp)
+    batch = Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs)
+    if schedule is not None:
+        metrics["lr"] = jnp.asarray(schedule(state.policy.step), jnp.float32)
+    key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 1)
+    state, upd = update(state, batch, key, model=model, tx=tx, cfg=cfg)
+    metrics.update(upd)
+    return state.replace(step=state.step + 1), metrics
+
+
+def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GRPOConfig, reward, *,
+                   schedule: Callable | None = None, donate: bool = False):
+    """`iteration(state, prompt_ids, prompt_mask, extras, rng) -> (state, metrics)`.
+
+    Args:
+      model: the policy (LM head); the reference, if β > 0, has the same architecture.
+      tx: the optimizer (e.g. `common.make_optimizer(...)[0]`).
+      cfg: a `GRPOConfig`.
+      reward: a `rewards.Reward` (or a bare JAX reward callable).
+      schedule: the learning-rate schedule, only to report `lr`.
+      donate: donate the state's buffers to the compiled program(s).
+
+    The iteration takes `prompt_ids`, `prompt_mask` `[B, P]` (left-padded; with dynamic
+    sampling and `prompts_per_step` a pool of B ≥ prompts_per_step prompts), `extras` (a
+    dict of `[B, ...]` arrays, repeated per sample for the rewards; host rewards may also
+    get non-array values such as lists of B strings) and a PRNG key (folded with the
+    step, so a constant key is fine). A pure-JAX reward gives one jitted program
+    (`iteration.is_single_program`); a host reward two, with `time/host_reward_s` reported.
+    """
+    reward = rewards_lib.as_reward(reward)
+    roll = functools.partial(rollout, model=model, cfg=cfg, reward=reward)
+    learn_ = functools.partial(learn, model=model, tx=tx, cfg=cfg, reward=reward, schedule=schedule)
+    donate_args = (0,) if donate else ()
+
+    if reward.is_jax:
+        @functools.partial(jax.jit, donate_argnums=donate_args)
+        def fused(state, prompt_ids, prompt_mask, extras, rng):
+            out, scores = roll(state, prompt_ids, prompt_mask, extras, rng)
+            return learn_(state, out, scores, rng)
+
+        def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
+            arrays, _ = _split_extras(extras)
+            return fused(state, prompt_ids, prompt_mask, arrays, _key(rng))
+
+        iteration.is_single_program = True
+        iteration.compiled = fused
+        return iteration
+
+    roll_jit = jax.jit(roll)
+    learn_jit = jax.jit(learn_, donate_argnums=donate_args)
+    g = cfg.group_size
+
+    def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
+        arrays, others = _split_extras(extras)
+        rng = _key(rng)
+        out, scores = roll_jit(state, prompt_ids, prompt_mask, arrays, rng)
+        t0 = time.perf_counter()
+        host_out = jax.device_get(out)
+        host_extras = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in arrays.items()}
+        for k_, v in others.items():
+            v = list(v)
+            if len(v) != prompt_ids.shape[0]:
+                raise ValueError(f"extras[{k_!r}] has {len(v)} entries; expected one per prompt ({prompt_ids.shape[0]})")
+            host_extras[k_] = [x for x in v for _ in range(g)]
+        host = reward.host_scores(rewards_lib.RewardInput.from_sample(host_out), host_extras)
+        dt = time.perf_counter() - t0
+        state, metrics = learn_jit(state, out, {**scores, **host}, rng)
+        metrics = dict(metrics)
+        metrics["time/host_reward_s"] = dt
+        return state, metrics
+
+    iteration.is_single_program = False
+    iteration.compiled = (roll_jit, learn_jit)
+    return iteration
+
+
+def _key(rng):
+    if rng is None:
+        raise ValueError("iteration needs a PRNG key (rng)")
+    return rng
+
+
+__all__ = ["ADVANTAGES", "Batch", "GRPOConfig", "GRPOState", "GroupSelection", "compute_advantages",
+           "importance_logp", "init_state", "learn", "loss_fn", "make_iteration", "overlong_penalty", "preset",
+           "rollout", "select_groups", "update"]

@@ -1,0 +1,256 @@
+"""One interface for the scores an online algorithm (GRPO, RLOO, PPO) optimises.
+
+Three kinds of reward, all returning one float per response (`N` responses):
+
+- **JAX rewards** on token ids, traced into the compiled iteration:
+  `fn(response_ids [N, T], response_mask [N, T], extras) -> [N] float32`, where `extras`
+  is a dict of `[N, ...]` arrays (e.g. answer ids), one row per response.
+- **Host rewards** on decoded text, run in Python between two compiled programs:
+  `fn(prompts: list[str], responses: list[str], extras) -> list[float]` (length N). The
+  texts are decoded with the tokenizer given to `host_reward`; a response is decoded up to
+  (not including) its first EOS and `extras["finished"]` says whether it had one.
+- **Reward models**: a JAX callable `(sequences [N, P + T], attention_mask [N, P + T]) ->
+  [N]` on prompt ⧺ response, e.g. `reward_model.score_fn(model, params)`. Traced like a
+  JAX reward (the parameters it closes over become constants of the compiled program).
+
+`combine([(1.0, r1), (0.5, r2)])` sums weighted components; each component's mean is
+reported as a metric `reward/<name>`. Whether the combined reward is pure JAX
+(`Reward.is_jax`) decides whether an iteration can compile rollout, scoring and update
+into one program.
+
+    exact = rewards.jax_reward(lambda ids, mask, ex: data.exact_match_reward(
+        ids, mask, ex["answer_ids"], ex["answer_mask"]), name="exact")
+    fmt = rewards.host_reward(lambda p, r, ex: [float(s.isdigit()) for s in r], tokenizer, name="digits")
+    reward = rewards.combine([(1.0, exact), (0.1, fmt)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KINDS = ("jax", "host", "model")
+
+
+class RewardInput(NamedTuple):
+    """What a reward may look at, all with leading axis `N` (one row per response).
+
+    prompt_ids, prompt_mask: `[N, P]` left-padded prompts (repeated per sample).
+    response_ids, response_mask: `[N, T]` right-padded responses (mask 1 up to and
+      including EOS).
+    sequences, attention_mask: `[N, P + T]`, prompt ⧺ response.
+    """
+
+    prompt_ids: Any
+    prompt_mask: Any
+    response_ids: Any
+    response_mask: Any
+    sequences: Any
+    attention_mask: Any
+
+    @classmethod
+    def from_sample(cls, out) -> "RewardInput":
+        """From a `rollout.SampleOutput` (or anything with the same fields)."""
+        return cls(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.sequences,
+                   out.attention_mask)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Component:
+    """One reward: a callable of one of the three `KINDS`, its name and its weight."""
+
+    fn: Callable
+    kind: str
+    name: str
+    weight: float = 1.0
+    tokenizer: Any = None
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"reward {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not callable(self.fn):
+            raise TypeError(f"reward {self.name!r}: {self.fn!r} is not callable")
+        if self.kind == "host" and self.tokenizer is None:
+            raise ValueError(f"host reward {self.name!r} needs a tokenizer to decode the responses")
+        if not np.isfinite(self.weight):
+            raise ValueError(f"reward {self.name!r}: weight must be finite, got {self.weight}")
+
+    @property
+    def is_jax(self) -> bool:
+        return self.kind in ("jax", "model")
+
+
+def _check_scores(name: str, scores, n: int, host: bool):
+    """The `[N]` float scores of reward `name`, or a ValueError saying what came back."""
+    shape = np.shape(scores)
+    dtype = np.asarray(scores).dtype if host else jnp.asarray(scores).dtype
+    if shape != (n,):
+        raise ValueError(f"reward {name!r} returned shape {shape}; expected [N] = ({n},), one score per "
+                         "response")
+    if not (jnp.issubdtype(dtype, jnp.floating) or (host and jnp.issubdtype(dtype, jnp.integer))):
+        raise ValueError(f"reward {name!r} returned dtype {dtype}; expected float32 scores "
+                         "(cast with .astype(jnp.float32))")
+    return np.asarray(scores, np.float32) if host else jnp.asarray(scores, jnp.float32)
+
+
+def _decode(tokenizer, ids_NxL, mask_NxL, eos_id):
+    """Texts of the valid tokens of each row, cut before the first EOS, and `finished` [N]."""
+    texts, finished = [], []
+    for row, m in zip(np.asarray(ids_NxL), np.asarray(mask_NxL).astype(bool)):
+        valid = row[m].tolist()
+        done = eos_id is not None and eos_id in valid
+        if done:
+            valid = valid[: valid.index(eos_id)]
+        texts.append(tokenizer.decode(valid, skip_special_tokens=True))
+        finished.append(done)
+    return texts, np.asarray(finished, bool)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reward:
+    """A weighted sum of reward components (build it with `combine` or the constructors).
+
+    `device_scores` traces the JAX components, `host_scores` runs the host ones on numpy
+    arrays, `total` sums weighted components: `total({**device, **host})` is the reward.
+    """
+
+    components: tuple[Component, ...]
+
+    def __post_init__(self):
+        if not self.components:
+            raise ValueError("a reward needs at least one component")
+        names = [c.name for c in self.components]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward component names must be unique, got duplicates {dupes}; pass name=...")
+
+    @property
+    def is_jax(self) -> bool:
+        """True when every component can run inside a compiled program (no host reward)."""
+        return all(c.is_jax for c in self.components)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.components)
+
+    def device_scores(self, inputs: RewardInput, extras: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """`{name: [N] float32}` of the JAX and reward-model components (traceable)."""
+        n = inputs.response_ids.shape[0]
+        out = {}
+        for c in self.components:
+            if c.kind == "jax":
+                scores = c.fn(inputs.response_ids, inputs.response_mask, dict(extras))
+            elif c.kind == "model":
+                scores = c.fn(inputs.sequences, inputs.attention_mask)
+            else:
+                continue
+            out[c.name] = _check_scores(c.name, scores, n, host=False)
+        return out
+
+    def host_scores(self, inputs: RewardInput, extras: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """`{name: [N] float32}` of the host components (numpy inputs; runs Python)."""
+        n = np.shape(inputs.response_ids)[0]
+        out = {}
+        for c in self.components:
+            if c.kind != "host":
+                continue
+            eos = c.eos_id
+            if eos is None:
+                eos = getattr(c.tokenizer, "eos_id", getattr(c.tokenizer, "eos_token_id", None))
+            responses, finished = _decode(c.tokenizer, inputs.response_ids, inputs.response_mask, eos)
+            prompts, _ = _decode(c.tokenizer, inputs.prompt_ids, inputs.prompt_mask, None)
+            ex = {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in extras.items()}
+            ex.setdefault("finished", finished)
+            scores = c.fn(prompts, responses, ex)
+            try:
+                scores = np.asarray(scores)
+            except Exception as e:  # ragged lists and the like
+                raise ValueError(f"reward {c.name!r} returned {type(scores).__name__} that is not an [N] "
+                                 f"array of floats: {e}") from None
+            if scores.dtype == object:
+                raise ValueError(f"reward {c.name!r} returned non-numeric scores; expected {n} floats")
+            out[c.name] = _check_scores(c.name, scores, n, host=True)
+        return out
+
+    def total(self, scores: Mapping[str, Any]) -> jax.Array:
+        """`Σ_i w_i · scores[name_i]`, float32 `[N]` (jnp, so it works inside jit)."""
+        missing = [c.name for c in self.components if c.name not in scores]
+        if missing:
+            raise KeyError(f"scores of reward components {missing} are missing")
+        return sum(jnp.float32(c.weight) * jnp.asarray(scores[c.name], jnp.float32) for c in self.components)
+
+    def metrics(self, scores: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """`{"reward/<name>": mean}` for every component (unweighted means)."""
+        return {f"reward/{c.name}": jnp.mean(jnp.asarray(scores[c.name], jnp.float32)) for c in self.components}
+
+    def __call__(self, inputs: RewardInput, extras: Mapping[str, Any] | None = None):
+        """Eager evaluation of every component: `(total [N], {name: [N]})`.
+
+        Convenient on host; inside jit use `device_scores` (the host part cannot trace).
+        """
+        extras = {} if extras is None else extras
+        dev_extras = {k: v for k, v in extras.items() if hasattr(v, "shape")}
+        scores = dict(self.device_scores(inputs, dev_extras))
+        if not self.is_jax:
+            scores.update(self.host_scores(jax.tree.map(np.asarray, inputs), extras))
+        return self.total(scores), scores
+
+
+def _name(fn, name):
+    return name or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def jax_reward(fn: Callable, *, name: str | None = None, weight: float = 1.0) -> Reward:
+    """A reward on token ids, traced into the compiled step:
+    `fn(response_ids [N, T], response_mask [N, T], extras) -> [N] float32`."""
+    return Reward((Component(fn, "jax", _name(fn, name), float(weight)),))
+
+
+def host_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: float = 1.0,
+                eos_id: int | None = None) -> Reward:
+    """A reward on decoded text, run in Python:
+    `fn(prompts: list[str], responses: list[str], extras) -> list[float]`.
+
+    `tokenizer.decode(ids, skip_special_tokens=True)` decodes (CharTokenizer or a Hugging
+    Face tokenizer); responses are cut before the first `eos_id` (default: the
+    tokenizer's), and `extras["finished"]` `[N]` bool says whether it was emitted.
+    """
+    return Reward((Component(fn, "host", _name(fn, name), float(weight), tokenizer, eos_id),))
+
+
+def model_reward(score_fn: Callable, *, name: str = "reward_model", weight: float = 1.0) -> Reward:
+    """A reward model: `score_fn(sequences [N, P + T], attention_mask [N, P + T]) -> [N]`."""
+    return Reward((Component(score_fn, "model", name, float(weight)),))
+
+
+def as_reward(reward) -> Reward:
+    """A `Reward` as is; a bare callable as a JAX reward on token ids."""
+    if isinstance(reward, Reward):
+        return reward
+    if callable(reward):
+        return jax_reward(reward)
+    raise TypeError(f"expected a rewards.Reward or a callable, got {type(reward).__name__}")
+
+
+def combine(weighted: Sequence[tuple[float, Any]]) -> Reward:
+    """`Σ_i w_i · r_i` from `[(w_1, r_1), ...]`; each `r_i` is a `Reward` (its components'
+    weights are multiplied by `w_i`) or a bare JAX reward callable."""
+    if not weighted:
+        raise ValueError("combine needs at least one (weight, reward) pair")
+    parts = []
+    for item in weighted:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"combine takes (weight, reward) pairs, got {item!r}")
+        weight, reward = item
+        for c in as_reward(reward).components:
+            parts.append(dataclasses.replace(c, weight=float(weight) * c.weight))
+    return Reward(tuple(parts))
+
+
+__all__ = ["KINDS", "Component", "Reward", "RewardInput", "as_reward", "combine", "host_reward", "jax_reward",
+           "model_reward"]

@@ -1,0 +1,324 @@
+"""GRPO family: loss against the ops it is made of, ratios, GSPO, DAPO options,
+accumulation, errors, bf16, and a toy task it must learn within seconds."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrlhf import ops, rewards
+from jaxrlhf.algorithms import grpo
+from jaxrlhf.algorithms.experience import SamplingConfig, score_responses
+from jaxrlhf.models import ModelConfig, Transformer, init_params
+
+CFG = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=16, max_position_embeddings=32)
+MODEL = Transformer(CFG)
+PARAMS = init_params(MODEL, jax.random.key(0))
+TARGET = 5
+P, T = 3, 5
+
+
+def target_fraction(ids, mask, extras):
+    """Fraction of the valid response tokens equal to TARGET (WORKLOAD measurement 3's reward)."""
+    mask = mask.astype(bool)
+    return (jnp.sum((ids == TARGET) & mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)).astype(jnp.float32)
+
+
+_score = jax.jit(lambda params, seq, attn: score_responses(MODEL, params, seq, attn, P, temperature=0.8))
+_value_and_grad = jax.jit(jax.value_and_grad(grpo.loss_fn, has_aux=True), static_argnames=("cfg", "model"))
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(seed=0, n=8, with_ref=True):
+    """A fixed batch: left-padded prompts, right-padded responses, perturbed old/ref log-probs."""
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(3, CFG.vocab_size, (n, P + T))
+    plen = rng.integers(1, P + 1, n)
+    rlen = rng.integers(1, T + 1, n)
+    pmask = np.arange(P)[None] >= (P - plen)[:, None]
+    rmask = np.arange(T)[None] < rlen[:, None]
+    seq, attn = jnp.asarray(seq), jnp.asarray(np.concatenate([pmask, rmask], 1))
+    logp0 = _score(PARAMS, seq, attn)
+    old = logp0 + jnp.asarray(rng.normal(0, 0.3, (n, T)), jnp.float32)
+    ref = logp0 + jnp.asarray(rng.normal(0, 0.3, (n, T)), jnp.float32) if with_ref else None
+    adv = ops.broadcast_sequence(jnp.asarray(rng.standard_normal(n), jnp.float32), rmask)
+    return grpo.Batch(seq, attn, jnp.asarray(rmask), adv, old, ref)
+
+
+def _cfg(**kw):
+    sampling = kw.pop("sampling", SamplingConfig(max_new_tokens=T, num_samples=4, temperature=0.8))
+    return grpo.GRPOConfig(sampling=sampling, **kw)
+
+
+# --------------------------------------------------------------------------- the loss
+
+LOSS_CFG = _cfg(beta=0.1, entropy_coef=0.01, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean")
+
+
+def test_loss_gradient_matches_hand_composed_ops():
+    batch = _batch()
+    cfg = LOSS_CFG
+
+    def reference(params):
+        logits = MODEL.apply({"params": params}, batch.sequences, batch.attention_mask).logits
+        logits = ops.shift_logits_for_response(logits, P)
+        resp = batch.sequences[:, P:]
+        logp = ops.token_logprobs(logits, resp, temperature=0.8)
+        ent = ops.entropy(logits, temperature=0.8)
+        m = batch.response_mask
+        pg, _ = ops.policy_loss(logp, batch.old_logp, batch.advantages, m, clip_low=0.2, clip_high=0.28,
+                                dual_clip=3.0, agg="seq-mean-token-mean")
+        kl = ops.aggregate(ops.kl(logp, batch.ref_logp, estimator="k3"), m, mode="seq-mean-token-mean")
+        return pg + 0.1 * kl - 0.01 * ops.aggregate(ent, m, mode="seq-mean-token-mean")
+
+    (loss, metrics), grads = _value_and_grad(PARAMS, batch, cfg, model=MODEL)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(PARAMS)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-7)
+    assert 0 < metrics["clipfrac"] < 1 and metrics["kl"] > 0
+
+
+def test_gspo_sequence_ratio_matches_numpy():
+    batch = _batch(seed=1)
+    logp = _score(PARAMS, batch.sequences, batch.attention_mask)
+    out = grpo.importance_logp(logp, batch.old_logp, batch.response_mask, level="sequence")
+    lp, old, m = (np.asarray(x, np.float64) for x in (logp, batch.old_logp, batch.response_mask))
+    ratio = np.exp(out - old)
+    seq_ratios = []
+    for b in range(lp.shape[0]):
+        n_valid = int(m[b].sum())
+        s_b = np.exp(np.mean(lp[b, :n_valid] - old[b, :n_valid]))  # exp(mean_t(logp − old_logp))
+        np.testing.assert_allclose(ratio[b, :n_valid], s_b, rtol=1e-5)
+        seq_ratios += [s_b] * n_valid
+    # The loss's ratio metrics see the sequence ratio on every token, clipped at 1 ± ε.
+    cfg = _cfg(ratio_level="sequence", clip_low=0.1)
+    _, metrics = grpo.loss_fn(PARAMS, batch, cfg, model=MODEL)  # forward only: no compile needed
+    np.testing.assert_allclose(metrics["ratio_mean"], np.mean(seq_ratios), rtol=1e-5)
+    np.testing.assert_allclose(metrics["ratio_max"], np.max(seq_ratios), rtol=1e-5)
+    adv = np.asarray(batch.advantages)
+    s = np.asarray(seq_ratios)
+    a = adv[m.astype(bool)]
+    clipped = -a * np.clip(s, 0.9, 1.1) > -a * s
+    np.testing.assert_allclose(metrics["clipfrac"], clipped.mean(), atol=1e-6)
+
+
+def test_bf16_compute_path_runs():
+    bf16_model = Transformer(dataclasses.replace(CFG, dtype="bfloat16"))
+    batch = _batch()
+    cfg = LOSS_CFG  # the float32 loss below is then already compiled
+    (loss, metrics), grads = _value_and_grad(PARAMS, batch, cfg, model=bf16_model)
+    assert loss.dtype == jnp.float32 and np.isfinite(loss)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert bool(grpo.common.tree_finite(grads))
+    (f32_loss, _), _ = _value_and_grad(PARAMS, batch, cfg, model=MODEL)
+    np.testing.assert_allclose(loss, f32_loss, atol=0.05)  # bf16 activations, float32 log-probs
+
+
+# --------------------------------------------------------------------------- advantages and DAPO
+
+
+def test_overlong_penalty_hand_values():
+    # L_max = 10, L_cache = 4: free up to 10 − 4 = 6 tokens, then linear down to −1 at 10.
+    lengths = jnp.array([0, 6, 7, 8, 10, 11])
+    got = grpo.overlong_penalty(lengths, max_len=10, cache_len=4)
+    # 7: (6 − 7)/4 = −0.25;  8: (6 − 8)/4 = −0.5;  10: (6 − 10)/4 = −1;  11 > L_max: −1.
+    np.testing.assert_allclose(got, [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    # cache 0: a hard cut, only beyond L_max.
+    np.testing.assert_allclose(grpo.overlong_penalty(jnp.array([10, 11]), max_len=10, cache_len=0), [0.0, -1.0])
+
+
+def test_advantage_methods():
+    scores = jnp.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    mask = jnp.arange(3)[None] < jnp.array([3, 2, 1, 3, 3, 2, 1, 3])[:, None]
+    for method in ("grpo", "dr_grpo", "rloo"):
+        cfg = _cfg(advantage=method, adv_eps=1e-4)
+        want = ops.broadcast_sequence(ops.group_advantages(scores, 4, method=method, eps=1e-4), mask)
+        np.testing.assert_allclose(grpo.compute_advantages(scores, cfg, mask), want)
+    # grpo with ε = 1e-4: group 1 has mean 0.5 and unbiased std sqrt(1/3) = 0.57735.
+    got = grpo.compute_advantages(scores, _cfg(adv_eps=1e-4), mask)
+    np.testing.assert_allclose(got[0, 0], 0.5 / (0.57735027 + 1e-4), rtol=1e-6)
+    np.testing.assert_array_equal(got[4:], 0.0)  # all-equal group: zero advantage
+    cfg = _cfg(advantage="reinforce_pp", sampling=SamplingConfig(max_new_tokens=3, num_samples=1))
+    pp = grpo.compute_advantages(scores, cfg, mask)
+    np.testing.assert_allclose(pp, ops.whiten(ops.broadcast_sequence(scores, mask), mask))
+
+
+def test_select_groups_keeps_the_batch_full():
+    # 5 groups of G = 2; groups 1 and 3 have signal.
+    scores = jnp.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 3.0, 2.0, 0.0, 0.0])
+    sel = grpo.select_groups(scores, 2, 3)
+    np.testing.assert_array_equal(sel.indices, [2, 3, 6, 7, 0, 1])  # signal groups first, then padding
+    np.testing.assert_array_equal(sel.has_signal, [True, True, False])
+    np.testing.assert_allclose(sel.kept_fraction, 2 / 3)
+    np.testing.assert_allclose(sel.signal_fraction, 2 / 5)
+    sel = grpo.select_groups(scores, 2, 1)
+    np.testing.assert_array_equal(sel.indices, [2, 3])
+    with pytest.raises(ValueError, match="prompt pool"):
+        grpo.select_groups(scores, 2, 6)
+
+
+# --------------------------------------------------------------------------- errors and config
+
+
+def test_group_size_that_does_not_divide_the_batch_is_an_error():
+    mask = jnp.ones((10, 3), bool)
+    with pytest.raises(ValueError, match="groups of G = sampling.num_samples = 4"):
+        grpo.compute_advantages(jnp.zeros(10), _cfg(), mask)
+    batch = _batch(n=6)
+    with pytest.raises(ValueError, match="num_minibatches=2 × num_microbatches=2"):
+        grpo.update(grpo.init_state(PARAMS, optax.sgd(0.1)), batch, jax.random.key(0), model=MODEL,
+                    tx=optax.sgd(0.1), cfg=_cfg(num_minibatches=2, num_microbatches=2))
+
+
+def test_config_validation_and_presets():
+    with pytest.raises(ValueError, match="num_samples"):
+        _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=1))
+    with pytest.raises(ValueError, match="agg"):
+        _cfg(agg="mean")
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        _cfg(prompts_per_step=2)
+    with pytest.raises(ValueError, match="overlong_cache"):
+        _cfg(overlong_max_len=4, overlong_cache=4)
+    s = SamplingConfig(max_new_tokens=20, num_samples=4)
+    for name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"):
+        assert isinstance(grpo.preset(name, s), grpo.GRPOConfig)
+    dapo = grpo.preset("dapo", s, prompts_per_step=2)
+    assert (dapo.clip_high, dapo.overlong_max_len, dapo.overlong_cache, dapo.prompts_per_step) == (0.28, 20, 4, 2)
+    assert grpo.preset("dr_grpo", s).loss_norm_len == 20
+
+
+def test_reward_with_wrong_shape_is_a_clear_error():
+    bad = rewards.jax_reward(lambda ids, mask, ex: jnp.zeros((ids.shape[0], 1)), name="per_token_oops")
+    it = grpo.make_iteration(MODEL, optax.sgd(0.1), _cfg(), bad)
+    prompts = jnp.ones((2, P), jnp.int32)
+    with pytest.raises(ValueError, match=r"reward 'per_token_oops' returned shape \(8, 1\)"):
+        it(grpo.init_state(PARAMS, optax.sgd(0.1)), prompts, jnp.ones((2, P), bool), {}, jax.random.key(0))
+    with pytest.raises(ValueError, match="reference model"):
+        grpo.make_iteration(MODEL, optax.sgd(0.1), _cfg(beta=0.1), target_fraction)(
+            grpo.init_state(PARAMS, optax.sgd(0.1)), prompts, jnp.ones((2, P), bool), {}, jax.random.key(0))
+
+
+# --------------------------------------------------------------------------- update
+
+
+@pytest.fixture(scope="module")
+def mu2_runs():
+    """μ = 2 passes × 2 minibatches of 4, old log-probs recomputed; 1 and 2 micro-batches."""
+    batch = _batch(seed=3, n=8)
+    batch = batch._replace(old_logp=_score(PARAMS, batch.sequences, batch.attention_mask))
+    tx = optax.sgd(0.5)
+    runs = {}
+    for k in (1, 2):
+        cfg = _cfg(beta=0.05, num_iterations=2, num_minibatches=2, num_microbatches=k, clip_low=0.1)
+        fn = jax.jit(lambda s, b, r, cfg=cfg: grpo.update(s, b, r, model=MODEL, tx=tx, cfg=cfg))
+        runs[k] = fn(grpo.init_state(PARAMS, tx), batch, jax.random.key(7))
+        if k == 1:
+            runs["update"], runs["batch"] = fn, batch
+    return runs
+
+
+def test_accumulation_2_equals_1(mu2_runs):
+    (s1, m1), (s2, m2) = mu2_runs[1], mu2_runs[2]
+    assert int(s1.policy.step) == int(s2.policy.step) == 4  # μ·minibatches optimizer steps
+    for a, b in zip(jax.tree.leaves(s1.policy.params), jax.tree.leaves(s2.policy.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-4)
+
+
+def test_recomputed_old_logp_gives_ratio_one_on_the_first_minibatch(mu2_runs):
+    _, m = mu2_runs[1]
+    np.testing.assert_allclose([m["first/ratio_min"], m["first/ratio_max"]], 1.0, atol=1e-5)
+    assert m["ratio_max"] > 1.0 + 1e-3 or m["ratio_min"] < 1.0 - 1e-3  # later minibatches moved
+    assert bool(m["finite"]) and int(m["skipped_steps"]) == 0
+
+
+def test_non_finite_gradient_skips_the_step(mu2_runs):
+    batch, update = mu2_runs["batch"], mu2_runs["update"]
+    batch = batch._replace(advantages=batch.advantages.at[:, 0].set(jnp.nan))  # every minibatch
+    new, m = update(grpo.init_state(PARAMS, optax.sgd(0.5)), batch, jax.random.key(7))
+    assert not bool(m["finite"]) and int(m["skipped_steps"]) == 4
+    assert int(new.policy.step) == 0
+    for a, b in zip(jax.tree.leaves(new.policy.params), jax.tree.leaves(PARAMS)):
+        np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- iterations
+
+
+@pytest.fixture(scope="module")
+def learning_run():
+    """GRPO on the toy task: 4 prompts × G = 8, 8 new tokens, reward = share of TARGET tokens."""
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=8, num_samples=8), adv_eps=1e-4)
+    tx = optax.adam(3e-3)
+    it = grpo.make_iteration(MODEL, tx, cfg, rewards.jax_reward(target_fraction, name="target"))
+    assert it.is_single_program
+    state = grpo.init_state(PARAMS, tx)
+    prompts = jnp.asarray(np.random.default_rng(0).integers(3, CFG.vocab_size, (4, 4)), jnp.int32)
+    history = []
+    for _ in range(25):
+        state, metrics = it(state, prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(1))
+        history.append(jax.device_get(metrics))
+    return history
+
+
+def test_first_step_ratio_is_exactly_one(learning_run):
+    first = learning_run[0]
+    assert first["ratio_min"] == first["ratio_max"] == 1.0
+    assert first["clipfrac"] == 0.0 and first["approx_kl"] == 0.0
+    assert first["logp_mismatch"] < 1e-4  # the sampler's log-probs match the trainer's
+    assert first["response_length/mean"] == 8 and bool(first["finite"])
+
+
+def test_grpo_raises_the_mean_reward_of_a_toy_task(learning_run):
+    rewards_ = [float(m["reward/mean"]) for m in learning_run]
+    start, end = np.mean(rewards_[:3]), np.mean(rewards_[-3:])
+    assert end > start + 0.25, rewards_  # from ~1/16 to most tokens on target within 25 steps
+
+
+class _WordTokenizer:
+    """'t5 t7'-style text, as the workload's word-level tokenizer."""
+
+    eos_id = None  # the toy policy has no EOS: never cut a response
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids if not (skip_special_tokens and i < 4))
+
+
+def test_dynamic_sampling_with_a_host_reward_keeps_the_batch_full():
+    seen = []
+
+    def host_target(prompts, responses, extras):
+        assert len(prompts) == len(responses) == len(extras["tag"]) == 16
+        scores = [r.split().count(f"t{TARGET}") / 4 for r in responses]
+        seen.append(np.asarray(scores))
+        return scores
+
+    reward = rewards.combine([(1.0, rewards.host_reward(host_target, _WordTokenizer(), name="host_target")),
+                              (0.0, rewards.jax_reward(target_fraction, name="jax_target"))])
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=4), dynamic_sampling=True, prompts_per_step=2)
+    tx = optax.adam(1e-3)
+    it = grpo.make_iteration(MODEL, tx, cfg, reward)
+    assert not it.is_single_program
+    state = grpo.init_state(PARAMS, tx)
+    prompts = jnp.asarray(np.random.default_rng(1).integers(4, CFG.vocab_size, (4, P)), jnp.int32)
+    tags = ["a", "b", "c", "d"]
+    for step in range(3):
+        state, m = it(state, prompts, jnp.ones_like(prompts, bool), {"tag": tags}, jax.random.key(step))
+        scores = seen[-1].reshape(4, 4)
+        signal = scores.max(axis=1) > scores.min(axis=1)
+        np.testing.assert_allclose(m["dynamic/signal_fraction"], signal.mean())
+        np.testing.assert_allclose(m["dynamic/kept_fraction"], min(signal.sum(), 2) / 2)
+        # Padding groups carry zero advantage; groups with signal never do.
+        np.testing.assert_allclose(m["zero_adv_group_fraction"], 1 - min(signal.sum(), 2) / 2)
+        # The JAX component saw the same responses and agrees with the host one.
+        np.testing.assert_allclose(m["reward/jax_target"], m["reward/host_target"], atol=1e-6)
+        np.testing.assert_allclose(m["reward/mean"], scores.mean(), atol=1e-6)
+        assert m["time/host_reward_s"] >= 0 and bool(m["finite"])
+    assert int(state.step) == 3 and int(state.policy.step) == 3
