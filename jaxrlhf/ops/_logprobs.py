@@ -1,18 +1,28 @@
 """Token log-probabilities and entropies from logits (SPEC §2).
 
 For a large vocabulary the `[B, T, V]` logits dominate memory, so neither function builds
-a float32 log-softmax: a log-prob is the gathered logit minus a logsumexp, and both run
-over chunks of tokens so that at most `chunk_size × V` float32 values exist at once.
+a float32 log-softmax: a log-prob is the gathered logit minus a logsumexp.
 
-Chunking is needed even though XLA fuses the float32 upcast into the logsumexp reduction
-for float32 inputs: for bf16 logits (XLA:CPU, jax 0.10) the upcast is materialised as a
-full `[B, T, V]` float32 copy, and the entropy keeps two `[B, T, V]` float32 temporaries
-for any dtype — measured with `compile().memory_analysis()` at B=8, T=512, V=151,936
-(see benchmarks/bench_ops.py).
+What XLA:CPU (jax 0.10) keeps is subtle; measured with `compile().memory_analysis()` at
+B=8, T=512, V=151,936, where one float32 copy of the logits is 2374 MiB
+(benchmarks/bench_ops.py has the numbers):
+
+- A float32 upcast feeding one reduction is fused into it; feeding two (the max and the
+  sum of a logsumexp) it is materialised whole. So the sum reads the logits through an
+  `optimization_barrier`, which XLA cannot merge with the max's read.
+- XLA:CPU has no bf16 gather or dynamic-slice: it converts the *whole* operand to
+  float32 first. So target logits and bf16 chunks are moved as raw bits (`_take_bits`,
+  `_time_slice`): exact, and bf16 stays bf16.
+
+With both, `token_logprobs` holds no temporary beyond `[B, T]` (float32 or bf16 logits,
+no chunking needed). The entropy reads `exp(x − lse)` twice, which XLA does not fuse, so
+it runs over chunks of positions: 589 MiB instead of 4748 MiB of temporaries for float32
+logits, 1776 MiB (1187 of them the bf16 bit view) instead of 4748 MiB for bf16.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -21,39 +31,87 @@ from jax import lax
 
 from jaxrlhf.ops import _checks
 
-# Float32 elements one chunk may hold: 2**26 × 4 bytes = 256 MiB, i.e. 441 tokens at
-# V = 151,936, and no chunking at all for small vocabularies.
+# Float32 elements one entropy chunk may hold: 2**26 × 4 bytes = 256 MiB, i.e. 441 tokens
+# at V = 151,936, and no chunking at all for small vocabularies.
 _CHUNK_ELEMENTS = 2**26
 
 
-def _chunk_rows(chunk_size: int | None, vocab: int) -> int:
-    if chunk_size is None:
-        return max(1, _CHUNK_ELEMENTS // max(vocab, 1))
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"`chunk_size` must be a positive int or None, got {chunk_size!r}")
-    return chunk_size
+def _bits(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _map_rows(fn: Callable, rows: tuple[jax.Array, ...], chunk: int) -> jax.Array:
-    """Applies `fn` (rows `[n, ...]` -> `[n]`) to `chunk` rows at a time.
+@jax.custom_jvp
+def _take_bits(x_BxTxV: jax.Array, index_BxT: jax.Array) -> jax.Array:
+    """`x[b, t, index[b, t]]`, gathered as raw bits (see the module docstring)."""
+    picked = jnp.take_along_axis(_bits(x_BxTxV), index_BxT[..., None], axis=-1)[..., 0]
+    return lax.bitcast_convert_type(picked, x_BxTxV.dtype)
+
+
+@_take_bits.defjvp
+def _take_bits_jvp(primals, tangents):
+    x, index = primals
+    dx, _ = tangents
+    return _take_bits(x, index), jnp.take_along_axis(dx, index[..., None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _time_slice(x_BxTxV: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    """`x[:, start : start + size]`, sliced as raw bits (see the module docstring)."""
+    out = lax.dynamic_slice_in_dim(_bits(x_BxTxV), start, size, axis=1)
+    return lax.bitcast_convert_type(out, x_BxTxV.dtype)
+
+
+@_time_slice.defjvp
+def _time_slice_jvp(size, primals, tangents):
+    x, start = primals
+    dx, _ = tangents
+    return _time_slice(x, start, size), lax.dynamic_slice_in_dim(dx, start, size, axis=1)
+
+
+def _logsumexp_f32(x: jax.Array, inv_tau: jax.Array) -> jax.Array:
+    """`logsumexp(float32(x)·inv_tau)` over the last axis, with each pass's upcast fused."""
+    m = lax.stop_gradient(jnp.max(x.astype(jnp.float32) * inv_tau, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # all −inf row: log(0) = −inf, not NaN
+    x2 = lax.optimization_barrier(x)
+    s = jnp.sum(jnp.exp(x2.astype(jnp.float32) * inv_tau - m), axis=-1)
+    return m[..., 0] + jnp.log(s)
+
+
+def _map_time_chunks(fn: Callable, x_BxTxV: jax.Array, chunk: int) -> jax.Array:
+    """Applies `fn` (`[B, C, V]` -> `[B, C]`) to `chunk` positions at a time.
 
     Full chunks run under `lax.map` with `jax.checkpoint`, so that the backward pass also
     recomputes one chunk at a time instead of saving every chunk's softmax; the remainder
-    (`n % chunk` rows) is one static slice, so the logits are never padded (a copy).
+    (`T % chunk` positions) is one more slice, so the logits are never padded (a copy).
     """
-    n = rows[0].shape[0]
-    n_full, rem = divmod(n, chunk)
-    if n <= chunk:
-        return fn(*rows)
+    b, t, _ = x_BxTxV.shape
+    if t <= chunk:
+        return fn(x_BxTxV)
+    n_full, rem = divmod(t, chunk)
+    # Raw bits only for 16-bit floats: for float32 the bit view is itself a full copy
+    # (the loop's operand), and float32 needs no workaround.
+    narrow = x_BxTxV.dtype.itemsize < 4
+    slice_ = _time_slice if narrow else functools.partial(lax.dynamic_slice_in_dim, axis=1)
 
     @jax.checkpoint
     def one_chunk(i):
-        return fn(*(lax.dynamic_slice_in_dim(r, i * chunk, chunk, axis=0) for r in rows))
+        return fn(slice_(x_BxTxV, i * chunk, chunk))
 
-    out = lax.map(one_chunk, jnp.arange(n_full)).reshape(n_full * chunk)
+    out_NxBxC = lax.map(one_chunk, jnp.arange(n_full))
+    out = jnp.moveaxis(out_NxBxC, 0, 1).reshape(b, n_full * chunk)
     if rem:
-        out = jnp.concatenate([out, fn(*(r[n_full * chunk :] for r in rows))])
+        out = jnp.concatenate([out, fn(slice_(x_BxTxV, n_full * chunk, rem))], axis=1)
     return out
+
+
+def _check_logits(fn: str, logits) -> jax.Array:
+    logits = jnp.asarray(logits)
+    if logits.ndim != 3 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(
+            f"{fn}: `logits` must be a float array of shape [B, T, V], got "
+            f"{logits.dtype}{list(logits.shape)}"
+        )
+    return logits
 
 
 def token_logprobs(
@@ -61,32 +119,25 @@ def token_logprobs(
     targets: jax.Array,
     *,
     temperature: float | jax.Array = 1.0,
-    chunk_size: int | None = None,
 ) -> jax.Array:
     """Log-probability of each target token under `softmax(logits / τ)`.
 
         logp[b, t] = logits[b, t, y]/τ − logsumexp_v(logits[b, t, v]/τ),   y = targets[b, t]
 
     `logits` must already be aligned with `targets` (see `shift_logits_for_response`), and
-    the same temperature as the sampler's must be used everywhere (SPEC §2).
+    the same temperature as the sampler's must be used everywhere (SPEC §2). No float32
+    `[B, T, V]` array is created, for float32 or bf16 logits (see the module docstring).
 
     Args:
       logits: `[B, T, V]` response-aligned logits, any float dtype (float32 math).
-      targets: `[B, T]` integer token ids in `[0, V)`; ids outside give NaN (mask them).
+      targets: `[B, T]` integer token ids in `[0, V)`.
       temperature: `τ > 0`, dividing the logits.
-      chunk_size: tokens (rows of the flattened `[B·T, V]`) processed at once; `None`
-        picks the largest chunk whose float32 copy stays within 256 MiB.
 
     Returns:
       `[B, T]` float32 log-probabilities.
     """
     fn = "token_logprobs"
-    logits = jnp.asarray(logits)
-    if logits.ndim != 3 or not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise ValueError(
-            f"{fn}: `logits` must be a float array of shape [B, T, V], got "
-            f"{logits.dtype}{list(logits.shape)}"
-        )
+    logits = _check_logits(fn, logits)
     b, t, v = logits.shape
     targets = _checks.like(fn, "targets", targets, ("B", "T"), "logits[..., 0]", (b, t))
     if not jnp.issubdtype(targets.dtype, jnp.integer):
@@ -94,15 +145,9 @@ def token_logprobs(
     _checks.positive(fn, "temperature", temperature)
     inv_tau = 1.0 / jnp.asarray(temperature, jnp.float32)
 
-    def rows_logp(logits_NxV, targets_N):
-        # The gathered logit is upcast after the gather: exact, and only N values.
-        picked = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
-        lse = jax.nn.logsumexp(logits_NxV.astype(jnp.float32) * inv_tau, axis=-1)
-        return picked.astype(jnp.float32) * inv_tau - lse
-
-    chunk = _chunk_rows(chunk_size, v)
-    out = _map_rows(rows_logp, (logits.reshape(b * t, v), targets.reshape(b * t)), chunk)
-    return out.reshape(b, t)
+    # [B, T, V] kept as is: reshaping the parameter to [B·T, V] cost a float32 copy.
+    picked = _take_bits(logits, targets).astype(jnp.float32) * inv_tau
+    return picked - _logsumexp_f32(logits, inv_tau)
 
 
 def entropy(
@@ -113,41 +158,37 @@ def entropy(
 ) -> jax.Array:
     """Entropy of `p = softmax(logits / τ)` at every position.
 
-        H[b, t] = −Σ_v p_v log p_v = logsumexp(x) − Σ_v p_v x_v,   x = logits[b, t] / τ
+        H[b, t] = −Σ_v p_v log p_v = lse − Σ_v p_v x_v,   x = logits[b, t] / τ, lse = logsumexp(x)
 
-    computed as `log s − Σ_v e_v (x_v − m) / s` with `m = max x`, `e = exp(x − m)`,
-    `s = Σ e`; entries with `p_v = 0` (e.g. logits of −inf) contribute 0, not NaN.
+    Entries with `p_v = 0` (e.g. logits of −inf) contribute 0, not NaN.
 
     Args:
       logits: `[B, T, V]` response-aligned logits, any float dtype (float32 math).
       temperature: `τ > 0`, the sampling temperature (SPEC §2).
-      chunk_size: as in `token_logprobs`.
+      chunk_size: response positions processed at once (`B × chunk_size × V` logits);
+        `None` picks the largest chunk whose float32 copy stays within 256 MiB.
 
     Returns:
       `[B, T]` float32 entropies (nats).
     """
     fn = "entropy"
-    logits = jnp.asarray(logits)
-    if logits.ndim != 3 or not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise ValueError(
-            f"{fn}: `logits` must be a float array of shape [B, T, V], got "
-            f"{logits.dtype}{list(logits.shape)}"
-        )
+    logits = _check_logits(fn, logits)
     b, t, v = logits.shape
     _checks.positive(fn, "temperature", temperature)
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_ELEMENTS // (b * v))
+    elif not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{fn}: `chunk_size` must be a positive int or None, got {chunk_size!r}")
     inv_tau = 1.0 / jnp.asarray(temperature, jnp.float32)
 
-    def rows_entropy(logits_NxV):
-        x = logits_NxV.astype(jnp.float32) * inv_tau
-        m = lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-        e = jnp.exp(x - m)
-        s = jnp.sum(e, axis=-1)
+    def chunk_entropy(logits_BxCxV):
+        lse = _logsumexp_f32(logits_BxCxV, inv_tau)[..., None]
+        x = lax.optimization_barrier(logits_BxCxV).astype(jnp.float32) * inv_tau
+        p = jnp.exp(x - lse)
         # Double `where`: a −inf logit must not reach the product, nor its gradient.
-        centred = jnp.where(e > 0, x - m, 0.0)
-        return jnp.log(s) - jnp.sum(e * centred, axis=-1) / s
+        return lse[..., 0] - jnp.sum(p * jnp.where(p > 0, x, 0.0), axis=-1)
 
-    chunk = _chunk_rows(chunk_size, v)
-    return _map_rows(rows_entropy, (logits.reshape(b * t, v),), chunk).reshape(b, t)
+    return _map_time_chunks(chunk_entropy, logits, chunk_size)
 
 
 def shift_logits_for_response(logits: jax.Array, prompt_len: int) -> jax.Array:

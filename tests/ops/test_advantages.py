@@ -11,7 +11,7 @@ from jaxrlhf import ops
 from tests.ops import inputs, reference
 
 B, T = 5, 8
-METHODS = ["scan", "associative", "auto"]
+METHODS = ["scan", "associative", "blocked", "auto"]
 
 
 def _rewards_values(seed):
@@ -48,11 +48,25 @@ def test_gae_hand_values():
 
 def test_gae_methods_agree_on_long_sequences():
     rng = np.random.default_rng(1)
-    rewards, values = rng.standard_normal((2, 3, 300)).astype(np.float32)
-    mask = inputs.prefix_mask([0, 150, 300], 300)
-    scan = ops.gae(rewards, values, mask, method="scan")
-    assoc = ops.gae(rewards, values, mask, method="associative")
-    np.testing.assert_allclose(assoc.advantages, scan.advantages, rtol=1e-4, atol=1e-4)
+    rewards, values = rng.standard_normal((2, 3, 200)).astype(np.float32)
+    mask = inputs.prefix_mask([0, 150, 200], 200)
+    scan = jax.jit(lambda *a: ops.gae(*a, method="scan"))(rewards, values, mask)
+    for method in ("associative", "blocked"):
+        other = jax.jit(lambda *a: ops.gae(*a, method=method))(rewards, values, mask)
+        np.testing.assert_allclose(other.advantages, scan.advantages, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gae_masks_with_holes_follow_the_formula(method):
+    # SPEC §1 promises prefix masks, but a mask with holes must still give SPEC §4's
+    # recurrence (the decay γλ·m_{t+1} cuts at every hole), whatever the method.
+    rewards, values, mask = _rewards_values(5)
+    mask[:, 0] = True
+    mask[:, 3] = False
+    out = ops.gae(rewards, values, mask, method=method)
+    adv, ret = reference.gae(rewards, values, mask)
+    np.testing.assert_allclose(out.advantages, adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.returns, ret, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
@@ -129,5 +143,5 @@ def test_gae_bad_arguments():
         ops.gae(rewards, values, mask[:1])
     with pytest.raises(ValueError, match=r"`rewards` must have shape \[B, T\] \(rank 2\)"):
         ops.gae(rewards[0], values[0], mask[0])
-    with pytest.raises(ValueError, match="valid choices are 'auto', 'scan', 'associative'"):
+    with pytest.raises(ValueError, match="valid choices are 'auto', 'scan', 'associative', 'blocked'"):
         ops.gae(rewards, values, mask, method="loop")

@@ -21,6 +21,7 @@ SCORES = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
 CASES = {
     "gae[scan]": (2, lambda r, v, m: ops.gae(r, v, m, gamma=0.9, method="scan")),
     "gae[associative]": (2, lambda r, v, m: ops.gae(r, v, m, gamma=0.9, method="associative")),
+    "gae[blocked]": (2, lambda r, v, m: ops.gae(r, v, m, gamma=0.9, method="blocked")),
     "whiten": (1, lambda x, m: ops.whiten(x, m)),
     "whiten[no shift]": (1, lambda x, m: ops.whiten(x, m, shift_mean=False)),
     "shape_rewards": (1, lambda k, m: ops.shape_rewards(SCORES, k, m, 0.1)),
