@@ -1,0 +1,125 @@
+"""The reward interface: JAX, host and reward-model components, weights, and clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf import data, rewards
+from jaxrlhf.data import batching
+
+TOK = data.CharTokenizer()
+
+
+def _inputs(prompt_ids, response_ids, response_mask):
+    prompt_ids = jnp.asarray(prompt_ids)
+    response_ids, response_mask = jnp.asarray(response_ids), jnp.asarray(response_mask)
+    prompt_mask = prompt_ids != data.PAD_ID
+    return rewards.RewardInput(prompt_ids, prompt_mask, response_ids, response_mask,
+                               jnp.concatenate([prompt_ids, response_ids], 1),
+                               jnp.concatenate([prompt_mask, response_mask], 1))
+
+
+def _toy():
+    """3 responses of 4 tokens (ids 4..9), lengths 4, 2, 3."""
+    ids = jnp.array([[4, 5, 5, 6], [5, 7, 0, 0], [8, 5, 9, 0]])
+    mask = jnp.arange(4)[None] < jnp.array([4, 2, 3])[:, None]
+    return _inputs(jnp.ones((3, 2), jnp.int32), ids, mask)
+
+
+def count5(ids, mask, extras):
+    return jnp.sum((ids == 5) & mask, axis=1).astype(jnp.float32)
+
+
+def length(ids, mask, extras):
+    return jnp.sum(mask, axis=1).astype(jnp.float32)
+
+
+def test_combine_weights_and_component_metrics():
+    inputs = _toy()
+    reward = rewards.combine([(2.0, count5), (-0.5, rewards.jax_reward(length, name="len"))])
+    assert reward.names == ("count5", "len") and reward.is_jax
+    total, parts = reward(inputs)
+    # count5 = [2, 1, 1], len = [4, 2, 3]: 2·[2, 1, 1] − 0.5·[4, 2, 3] = [2, 1, 0.5]
+    np.testing.assert_allclose(total, [2.0, 1.0, 0.5])
+    metrics = reward.metrics(parts)  # unweighted component means
+    np.testing.assert_allclose([metrics["reward/count5"], metrics["reward/len"]], [4 / 3, 3.0])
+    # Nested: weights multiply; and the whole thing traces under jit.
+    nested = rewards.combine([(3.0, reward)])
+    np.testing.assert_allclose(jax.jit(lambda x: nested.total(nested.device_scores(x, {})))(inputs),
+                               [6.0, 3.0, 1.5])
+
+
+def test_reward_model_component_sees_prompt_and_response():
+    inputs = _toy()
+    rm = rewards.model_reward(lambda seq, attn: jnp.sum(attn, axis=1).astype(jnp.float32), name="rm")
+    total, _ = rewards.combine([(1.0, rm), (1.0, count5)])(inputs)
+    np.testing.assert_allclose(total, [2 + 4 + 2, 2 + 2 + 1, 2 + 3 + 1])  # prompt 2 + response + count5
+    assert rm.is_jax
+
+
+def test_wrong_shape_or_dtype_names_the_reward():
+    inputs = _toy()
+    per_token = rewards.jax_reward(lambda ids, mask, ex: mask.astype(jnp.float32), name="per_token")
+    with pytest.raises(ValueError, match=r"reward 'per_token' returned shape \(3, 4\); expected \[N\] = \(3,\)"):
+        per_token(inputs)
+    ints = rewards.jax_reward(lambda ids, mask, ex: jnp.sum(mask, axis=1), name="ints")
+    with pytest.raises(ValueError, match="reward 'ints' returned dtype int32"):
+        ints(inputs)
+    short = rewards.host_reward(lambda p, r, ex: [1.0, 0.0], TOK, name="short")
+    with pytest.raises(ValueError, match=r"reward 'short' returned shape \(2,\)"):
+        short(inputs)
+    words = rewards.host_reward(lambda p, r, ex: ["yes"] * len(r), TOK, name="words")
+    with pytest.raises(ValueError, match="reward 'words'"):
+        words(inputs)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        rewards.host_reward(lambda p, r, ex: [0.0] * len(r), None)
+    with pytest.raises(ValueError, match="unique"):
+        rewards.combine([(1.0, count5), (1.0, count5)])
+
+
+def test_jax_and_host_exact_match_agree_on_the_addition_task():
+    task = data.AdditionTask(num_digits=2)
+    problems = data.make_problems(task, 12, seed=3)
+    arrays = data.rl_arrays(task, problems)
+    # Responses: correct for rows 0-3, a wrong digit for 4-7, correct but cut before EOS for
+    # 8-9, correct then EOS then junk for 10-11.
+    responses = []
+    for i, ans in enumerate(problems.answer_ids):
+        if 4 <= i < 8:
+            wrong = str((int(TOK.decode(ans[:1])) + 1) % 10)
+            responses.append(TOK.encode(wrong) + list(ans[1:]) + [data.EOS_ID])
+        elif 8 <= i < 10:
+            responses.append(list(ans))
+        elif i >= 10:
+            responses.append(list(ans) + [data.EOS_ID] + TOK.encode("12"))
+        else:
+            responses.append(list(ans) + [data.EOS_ID])
+    resp_ids, resp_mask = batching.right_pad(responses, task.response_len + 2)
+    inputs = _inputs(arrays["prompt_ids"], resp_ids, resp_mask)
+
+    on_device = rewards.jax_reward(
+        lambda ids, mask, ex: data.exact_match_reward(ids, mask, ex["answer_ids"], ex["answer_mask"]), name="jax")
+
+    def exact_text(prompts, responses, extras):
+        assert prompts == problems.prompt_text  # decoded prompts, BOS and padding dropped
+        return data.exact_match_text(responses, extras["answer_text"], finished=extras["finished"])
+
+    on_host = rewards.host_reward(exact_text, TOK, name="host")
+    reward = rewards.combine([(1.0, on_device), (1.0, on_host)])
+    assert not reward.is_jax
+    extras = {"answer_ids": jnp.asarray(arrays["answer_ids"]), "answer_mask": jnp.asarray(arrays["answer_mask"]),
+              "answer_text": problems.answer_text}
+    total, parts = reward(inputs, extras)
+    want = [1.0] * 4 + [0.0] * 6 + [1.0] * 2
+    np.testing.assert_array_equal(parts["jax"], want)
+    np.testing.assert_array_equal(parts["host"], want)
+    np.testing.assert_array_equal(total, 2 * np.asarray(want))
+
+
+def test_as_reward():
+    assert rewards.as_reward(count5).names == ("count5",)
+    r = rewards.jax_reward(count5)
+    assert rewards.as_reward(r) is r
+    with pytest.raises(TypeError):
+        rewards.as_reward(3.0)
