@@ -195,8 +195,11 @@ def _head_from_architectures(raw: Mapping[str, Any], cfg_file: str) -> str:
                         f"{cfg_file}: {arch} has num_labels={n}; only a scalar head (num_labels=1, "
                         "a reward or value model) is supported")
                 return head
+    if not archs:
+        raise CheckpointError(f"{cfg_file}: no `architectures`; pass head='lm' (causal LM weights) "
+                              "or head='score' (sequence-classification weights)")
     raise CheckpointError(f"{cfg_file}: architectures={archs!r}; expected a *ForCausalLM or "
-                          "*ForSequenceClassification model (or pass head=...)")
+                          "*ForSequenceClassification model")
 
 
 def _weight_files(path: str) -> tuple[dict[str, str], str]:

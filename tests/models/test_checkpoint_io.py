@@ -288,3 +288,11 @@ def test_random_init_matches_module_params(family, head):
                  params, expected)
     assert float(params["norm"]["scale"].min()) == 1.0
     assert 0.015 < float(jnp.std(params["embed_tokens"]["embedding"])) < 0.025
+
+
+def test_config_without_architectures_needs_head(ckpt):
+    _edit_config(ckpt, architectures=None)
+    with pytest.raises(CheckpointError, match="no `architectures`; pass head='lm'"):
+        load_pretrained(ckpt)
+    model, _ = load_pretrained(ckpt, head="lm")
+    assert model.head == "lm"
