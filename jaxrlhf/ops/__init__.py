@@ -3,7 +3,9 @@
 Shapes: `B` sequences, `T` response length (right-padded), `V` vocabulary, `N = prompts·G`
 grouped sequences. `mask` `[B, T]` (bool or float) is 1 on real response tokens, a
 contiguous prefix; padding never changes a result. Every function computes in float32
-whatever its input dtype. The formulas are fixed by the project's SPEC (§1–5, §8).
+whatever its input dtype. The formulas are fixed by the project's SPEC (§1–5), and the
+names, order and defaults of the SPEC §8 arguments are kept; arguments beyond SPEC (gae's
+`method`, entropy's `chunk_size`) are keyword-only.
 
     logp = ops.token_logprobs(ops.shift_logits_for_response(logits, P), response)
     rewards = ops.shape_rewards(scores, ops.kl(logp, ref_logp, estimator="k1"), mask, beta)

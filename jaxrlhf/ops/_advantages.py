@@ -89,9 +89,9 @@ def gae(
     rewards: jax.Array,
     values: jax.Array,
     mask: jax.Array,
-    *,
     gamma: float | jax.Array = 1.0,
     lam: float | jax.Array = 0.95,
+    *,
     method: str = "auto",
 ) -> GAEOutput:
     """Generalized Advantage Estimation on the response axis (Schulman et al. 2016,
@@ -151,7 +151,7 @@ def gae(
 
 
 def whiten(
-    x: jax.Array, mask: jax.Array, *, shift_mean: bool = True, eps: float = 1e-8
+    x: jax.Array, mask: jax.Array, shift_mean: bool = True, eps: float = 1e-8
 ) -> jax.Array:
     """Normalises `x` with the mean and population variance of its valid tokens.
 
@@ -183,7 +183,7 @@ def whiten(
 
 
 def group_advantages(
-    scores: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6
+    scores: jax.Array, group_size: int, method: str = "grpo", eps: float = 1e-6
 ) -> jax.Array:
     """Critic-free advantages from groups of `G` responses to the same prompt.
 

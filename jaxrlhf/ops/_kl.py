@@ -14,7 +14,7 @@ from jaxrlhf.ops import _checks, _masked
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl(logp: jax.Array, ref_logp: jax.Array, *, estimator: str = "k3") -> jax.Array:
+def kl(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(π‖ref) from tokens sampled from π.
 
     With `d = logp − ref_logp` (policy minus reference: the other sign rewards drifting):

@@ -117,7 +117,6 @@ def _check_logits(fn: str, logits) -> jax.Array:
 def token_logprobs(
     logits: jax.Array,
     targets: jax.Array,
-    *,
     temperature: float | jax.Array = 1.0,
 ) -> jax.Array:
     """Log-probability of each target token under `softmax(logits / τ)`.
@@ -152,8 +151,8 @@ def token_logprobs(
 
 def entropy(
     logits: jax.Array,
-    *,
     temperature: float | jax.Array = 1.0,
+    *,
     chunk_size: int | None = None,
 ) -> jax.Array:
     """Entropy of `p = softmax(logits / τ)` at every position.

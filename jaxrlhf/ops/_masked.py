@@ -59,7 +59,6 @@ def masked_var(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
 def aggregate(
     x: jax.Array,
     mask: jax.Array,
-    *,
     mode: str = "token-mean",
     norm_len: int | float | jax.Array | None = None,
 ) -> jax.Array:
