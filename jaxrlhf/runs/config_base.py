@@ -1,0 +1,60 @@
+"""The sections every config file in `configs/` is assembled from, with their defaults.
+
+A config file picks sections, changes what its task needs, and `lock()`s the result, so
+that `--config.optim.lr=1e-6` works and `--config.optim.lrr=1e-6` is an error naming `lr`.
+"""
+
+from __future__ import annotations
+
+import ml_collections as mlc
+
+
+def task(**kw) -> mlc.ConfigDict:
+    return mlc.ConfigDict(dict(dict(
+        name="addition", num_digits=2, reverse_answer=False, num_train=8000, num_test=500, num_pairs=0,
+        partial_credit=0.0, seed=0), **kw))
+
+
+def model(**kw) -> mlc.ConfigDict:
+    """A fresh model of these sizes, or `path=` a local Hugging Face checkpoint folder."""
+    return mlc.ConfigDict(dict(dict(
+        path="", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32,
+        max_position_embeddings=64, tie_word_embeddings=False, dtype="float32", param_dtype="float32",
+        remat=False), **kw))
+
+
+def optim(**kw) -> mlc.ConfigDict:
+    return mlc.ConfigDict(dict(dict(
+        lr=1e-5, schedule="constant", warmup_steps=0, end_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8,
+        weight_decay=0.0, max_grad_norm=1.0), **kw))
+
+
+def sampling(**kw) -> mlc.ConfigDict:
+    return mlc.ConfigDict(dict(dict(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0, num_samples=8), **kw))
+
+
+def sft(**kw) -> mlc.ConfigDict:
+    """Supervised phase (the warm start of RL runs; `steps=0` skips it)."""
+    opt = kw.pop("optim", {})
+    return mlc.ConfigDict(dict(dict(
+        steps=0, batch_size=64, seed=0,
+        optim=optim(**dict(dict(lr=3e-3, schedule="cosine", warmup_steps=50), **opt))), **kw))
+
+
+def grpo(**kw) -> mlc.ConfigDict:
+    """GRPO family; see `jaxrlhf.algorithms.grpo.GRPOConfig` for each field (0 = off)."""
+    opt = kw.pop("optim", {})
+    samp = kw.pop("sampling", {})
+    return mlc.ConfigDict(dict(dict(
+        steps=100, prompts_per_step=16, pool_size=0, seed=0, sampling=sampling(**samp),
+        advantage="grpo", adv_eps=1e-6, beta=0.0, kl_estimator="k3", clip_low=0.2, clip_high=0.0, dual_clip=0.0,
+        agg="token-mean", norm_len=0, entropy_coef=0.0, num_iterations=1, num_minibatches=1, num_microbatches=1,
+        ratio_level="token", dynamic_sampling=False, overlong_max_len=0, overlong_cache=0,
+        optim=optim(**opt)), **kw))
+
+
+def train(**kw) -> mlc.ConfigDict:
+    """The loop: logging, evaluation, checkpoints, export."""
+    return mlc.ConfigDict(dict(dict(
+        log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
+        show_samples=5, export=True), **kw))

@@ -1,0 +1,52 @@
+"""Config sections -> the objects a run needs: model, optimizer, sampling settings."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxrlhf.algorithms import common
+from jaxrlhf.algorithms.experience import SamplingConfig
+from jaxrlhf.models import ModelConfig, Transformer, load_pretrained, random_init
+
+log = logging.getLogger("jaxrlhf")
+
+
+def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: int = 0,
+                pad_id: int = 0, bos_id: int | None = None, eos_id: int | None = None) -> tuple[Transformer, dict]:
+    """`config.model` -> `(model, params)`: a local HF checkpoint (`path`) or a fresh model.
+
+    A fresh model takes its sizes from the section and `vocab_size` from the task's
+    tokenizer; a checkpoint takes everything from its `config.json`.
+    """
+    if cfg.path:
+        model, params = load_pretrained(cfg.path, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                        head=None if head == "lm" else head, remat=cfg.remat, seed=seed)
+        if vocab_size is not None and model.config.vocab_size < vocab_size:
+            raise ValueError(f"model.path={cfg.path}: vocab_size {model.config.vocab_size} is smaller than the "
+                             f"tokenizer's {vocab_size}")
+        return model, params
+    if vocab_size is None:
+        raise ValueError("model.path is empty and the task gives no vocab_size for a fresh model")
+    mc = ModelConfig(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                     tie_word_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                     remat=cfg.remat, pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
+    model, params = random_init(mc, head=head, seed=seed)
+    log.info("fresh %s model with %.2fM parameters", head, sum(x.size for x in jax.tree.leaves(params)) / 1e6)
+    return model, params
+
+
+def build_optimizer(cfg, *, total_steps: int):
+    """`config.optim`-like section -> `(tx, schedule)`."""
+    return common.make_optimizer(common.OptimConfig(
+        lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+        end_lr_ratio=cfg.end_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else None))
+
+
+def build_sampling(cfg, *, eos_id: int | None, pad_id: int) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                          top_p=cfg.top_p, eos_id=eos_id, pad_id=pad_id, num_samples=cfg.num_samples)

@@ -1,0 +1,109 @@
+"""The training loop: resume equals uninterrupted, NaN stops before a save, SIGTERM saves."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrlhf import data
+from jaxrlhf.algorithms import common
+from jaxrlhf.monitor import NonFiniteError
+from jaxrlhf.runs.checkpointing import CheckpointError, Checkpointer
+from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, run_phase
+from jaxrlhf.runs.metrics import MetricsWriter
+
+REPO = Path(__file__).resolve().parents[2]
+TX = optax.adam(0.1)
+ARRAYS = {"x": np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)}
+
+
+@jax.jit
+def _step(state, batch, rng):
+    """A regression step whose trajectory depends on the data order and the RNG."""
+    noise = jax.random.normal(rng, (3,)) * 0.01
+
+    def loss_fn(p):
+        return jnp.mean((batch["x"] @ p["w"] - 1.0) ** 2) + jnp.sum(noise * p["w"])
+
+    loss, g = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(g, TX), {"loss": loss}
+
+
+def _run(workdir, num_steps=6, should_stop=None, step_fn=_step):
+    state = common.TrainState.create({"w": jnp.zeros(3)}, TX)
+    batches = ArrayBatches(ARRAYS, data.BatchIterator(40, 8, seed=3))
+    writer = MetricsWriter(workdir, tensorboard=False)
+    try:
+        return run_phase(PhaseConfig("phase", num_steps, log_every=1, checkpoint_every=100, progress=False),
+                         workdir=workdir, state=state, step_fn=step_fn, batches=batches, rng=jax.random.key(0),
+                         writer=writer, should_stop=should_stop)
+    finally:
+        writer.close()
+
+
+def _metrics(workdir):
+    """The logged metrics without wall-clock timings (which differ between runs)."""
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if "time/" not in k} for row in rows]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    full_state, _ = _run(tmp_path / "full")
+    with pytest.raises(Preempted) as stopped:
+        _run(tmp_path / "resumed", should_stop=lambda step: step == 3)
+    assert stopped.value.step == 3 and stopped.value.code == 0
+    resumed_state, _ = _run(tmp_path / "resumed")
+    assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "full")  # steps 1..3 then 4..6
+    np.testing.assert_array_equal(resumed_state.params["w"], full_state.params["w"])
+    # A finished phase is restored, not re-run.
+    again, last = _run(tmp_path / "resumed")
+    np.testing.assert_array_equal(again.params["w"], full_state.params["w"])
+    assert last == {} and len(_metrics(tmp_path / "resumed")) == 6
+
+
+def test_nan_stops_before_any_checkpoint(tmp_path):
+    def nan_at_2(state, batch, rng):
+        state, m = _step(state, batch, rng)
+        return state, {"loss": jnp.where(state.step == 2, jnp.nan, m["loss"])}
+
+    with pytest.raises(NonFiniteError):
+        _run(tmp_path, num_steps=6, step_fn=nan_at_2)
+    assert Checkpointer(tmp_path / "phase").latest_step() is None
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(Preempted):
+        _run(tmp_path, should_stop=lambda step: step == 2)
+    for f in (tmp_path / "phase" / "2" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"phase/2 is corrupt"):
+        _run(tmp_path)
+
+
+def test_sigterm_saves_a_restorable_checkpoint_and_exits_cleanly(tmp_path):
+    workdir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jaxrlhf.train", f"--config={REPO}/configs/addition_grpo.py:tiny",
+           f"--workdir={workdir}", "--config.sft.steps=100000", "--config.train.checkpoint_every=100000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = workdir / "metrics.jsonl"
+        for line in proc.stdout:  # wait until training steps are being logged
+            if metrics.exists() and metrics.read_text().count("\n") >= 3:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    step = Checkpointer(workdir / "sft").latest_step()
+    assert step is not None and step >= 3
