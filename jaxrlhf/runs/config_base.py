@@ -58,3 +58,24 @@ def train(**kw) -> mlc.ConfigDict:
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
         show_samples=5, export=True), **kw))
+
+
+def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
+    """Training on preference pairs: kind "reward_model" or "dpo"."""
+    opt = kw.pop("optim", {})
+    extra = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0) if kind == "dpo" else {}
+    return mlc.ConfigDict(dict(dict(steps=100, batch_size=32, seed=0, num_microbatches=1, **extra,
+                                    optim=optim(**opt)), **kw))
+
+
+def ppo(**kw) -> mlc.ConfigDict:
+    """RLHF-PPO; see `jaxrlhf.algorithms.ppo.PPOConfig` for each field (0 / "" = off)."""
+    opt = kw.pop("optim", {})
+    copt = kw.pop("critic_optim", {})
+    samp = kw.pop("sampling", {})
+    return mlc.ConfigDict(dict(dict(
+        steps=100, prompts_per_step=32, seed=0, sampling=sampling(**dict(dict(num_samples=1), **samp)),
+        kl_estimator="k1", kl_coef=0.05, kl_target=0.0, kl_horizon=10000, missing_eos_penalty=0.0,
+        reward_whitening="", reward_clip=0.0, gamma=1.0, lam=0.95, whiten_advantages=True, clip=0.2, vf_clip=0.2,
+        vf_coef=0.1, ent_coef=0.0, agg="token-mean", num_ppo_epochs=4, num_minibatches=1, num_microbatches=1,
+        critic="separate", optim=optim(**opt), critic_optim=optim(**copt)), **kw))

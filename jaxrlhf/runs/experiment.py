@@ -27,7 +27,7 @@ from jaxrlhf.runs.tasks import build_task, make_accuracy_fn
 
 log = logging.getLogger("jaxrlhf")
 
-ALGORITHMS = ("sft", "grpo")
+ALGORITHMS = ("sft", "grpo", "ppo", "dpo", "reward_model")
 
 
 def _print_summary(rows, samples, elapsed):
@@ -57,27 +57,50 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     accuracy = make_accuracy_fn(model, task)
     rng = jax.random.key(config.seed)
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
-    rows = []
+    rows, extras = [], {}
     common = dict(model=model, task=task, workdir=workdir, writer=writer, eval_fn=accuracy, should_stop=should_stop)
+    samples = []
     try:
         if config.algorithm == "sft" or config.sft.steps > 0:
             rows.append(("start", accuracy(params)))
             params, _ = phases.sft_phase(config.sft, config.train, params=params, rng=jax.random.fold_in(rng, 1),
                                          **common)
+        rl_start = "after SFT" if config.sft.steps > 0 else "start"
         if config.algorithm == "grpo":
-            rows.append(("after SFT" if config.sft.steps > 0 else "start", accuracy(params)))
+            rows.append((rl_start, accuracy(params)))
             params, _ = phases.grpo_phase(config.grpo, config.train, params=params, rng=jax.random.fold_in(rng, 2),
                                           **common)
-        final, samples = accuracy(params, return_samples=config.train.show_samples)
-        rows.append((f"after {config.algorithm.upper()}", final))
-        if config.train.export and jax.process_index() == 0:
-            save_pretrained(model, jax.device_get(params), workdir / "export", tokenizer=task.tokenizer.to_hf()
-                            if hasattr(task.tokenizer, "to_hf") else task.tokenizer, overwrite=True)
+        if config.algorithm in ("ppo", "reward_model"):
+            rm_model, rm_params, rm_eval = phases.reward_model_phase(
+                config.reward_model, config.train, policy_model=model, policy_params=params, task=task,
+                workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop)
+            extras["reward_model_heldout"] = rm_eval
+            log.info("reward model held-out pair accuracy %.3f", rm_eval["accuracy"])
+        if config.algorithm == "ppo":
+            rows.append((rl_start, accuracy(params)))
+            params, _ = phases.ppo_phase(config.ppo, config.train, params=params,
+                                         reward_model_and_params=(rm_model, rm_params),
+                                         rng=jax.random.fold_in(rng, 4), **common)
+        if config.algorithm == "dpo":
+            rows.append((rl_start, accuracy(params)))
+            params, extras["dpo_heldout_pairs"] = phases.dpo_phase(
+                config.dpo, config.train, params=params, rng=jax.random.fold_in(rng, 5), **common)
+        if config.algorithm != "reward_model":
+            final, samples = accuracy(params, return_samples=config.train.show_samples)
+            rows.append((f"after {config.algorithm.upper()}", final))
+            if config.train.export and jax.process_index() == 0:
+                tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
+                save_pretrained(model, jax.device_get(params), workdir / "export", tokenizer=tokenizer,
+                                overwrite=True)
+        elif config.train.export and jax.process_index() == 0:
+            save_pretrained(rm_model, jax.device_get(rm_params), workdir / "export", overwrite=True)
     finally:
         writer.close()
     text = _print_summary(rows, samples, time.perf_counter() - start)
+    for name, m in extras.items():
+        print(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
     summary = {"stages": {name: m for name, m in rows}, "samples": samples, "table": text,
-               "seconds": time.perf_counter() - start}
+               "seconds": time.perf_counter() - start, **extras}
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
