@@ -214,12 +214,13 @@ class RewardInputs(NamedTuple):
 class Reward:
     """A reward in the form PPO calls it: `fn(params, RewardInputs) -> scores [N]`.
 
+    `fn` returns the scores, or `(scores, metrics)` with extra scalar metrics to report.
     `params` are the frozen reward-model parameters kept in `PPOState.reward_params` (None
     for a parameter-free reward); `vocab_size` is checked against the policy's when known.
     Build one with `as_reward`.
     """
 
-    fn: Callable[[PyTree, RewardInputs], jax.Array]
+    fn: Callable[[PyTree, RewardInputs], jax.Array | tuple[jax.Array, dict]]
     vocab_size: int | None = None
     name: str = "reward"
 
@@ -254,8 +255,9 @@ def as_reward(reward) -> tuple[Reward, PyTree]:
     - `Transformer(head="score")`: the same, params given separately (`init_state(...,
       reward_params=...)`);
     - a `Reward` (see `sequence_reward`, `response_reward`);
-    - an object of `jaxrlhf.rewards` with a `jax_fn`-style interface is used through
-      `response_reward` / `sequence_reward` when recognisable (see `_from_rewards_module`);
+    - a `jaxrlhf.rewards.Reward` whose components are all JAX rewards or reward models
+      (`rewards.jax_reward`, `rewards.model_reward(reward_model.score_fn(model, params))`,
+      `rewards.combine`); its component means are reported as `reward/<name>`;
     - a plain callable: with 3 positional parameters it is taken as
       `fn(response_ids, response_mask, extras)`, with 2 as `fn(sequences, attention_mask)`.
 
@@ -289,24 +291,29 @@ def as_reward(reward) -> tuple[Reward, PyTree]:
 
 
 def _from_rewards_module(reward):
-    """Objects of `jaxrlhf.rewards` (when that module exists), else None."""
+    """A `jaxrlhf.rewards.Reward` (JAX and reward-model components) as a PPO `Reward`, else None.
+
+    Its weighted total is the score; each component's mean is reported as `reward/<name>`.
+    A reward with host (text) components cannot run inside the compiled iteration.
+    """
     try:
-        from jaxrlhf import rewards as rewards_mod  # noqa: F401  (optional, written separately)
+        from jaxrlhf import rewards as rewards_mod
     except ImportError:
         return None
-    module = getattr(type(reward), "__module__", "") or ""
-    if not module.startswith("jaxrlhf.rewards"):
+    if not isinstance(reward, getattr(rewards_mod, "Reward", ())):
         return None
-    if getattr(reward, "host", False) or getattr(reward, "kind", None) == "host":
-        raise TypeError("a host-side (text) reward cannot run inside the jitted PPO iteration; "
-                        "use a JAX reward on token ids or a reward model")
-    model = getattr(reward, "model", None)
-    if isinstance(model, Transformer):
-        return _model_reward(model), getattr(reward, "params", None)
-    fn = getattr(reward, "fn", None)
-    if callable(fn):
-        return as_reward(fn)
-    return None
+    if not reward.is_jax:
+        raise TypeError("a reward with host-side (text) components cannot run inside the jitted PPO iteration; "
+                        "use JAX rewards on token ids or a reward model")
+
+    def fn(_, inp: RewardInputs):
+        p = inp.sequences.shape[1] - inp.response_ids.shape[1]
+        r_in = rewards_mod.RewardInput(inp.sequences[:, :p], inp.attention_mask[:, :p], inp.response_ids,
+                                       inp.response_mask, inp.sequences, inp.attention_mask)
+        parts = reward.device_scores(r_in, {} if inp.extras is None else inp.extras)
+        return reward.total(parts), reward.metrics(parts)
+
+    return Reward(fn, None, "rewards.Reward"), None
 
 
 def check_vocab(policy_vocab: int, other_vocab: int | None, what: str = "reward model") -> None:
@@ -395,6 +402,10 @@ def init_state(
 
     reward: any form `as_reward` accepts (its params, if any, are stored frozen);
       `reward_params` overrides/gives them. ref_params: defaults to a copy of actor_params.
+
+    The state holds `actor_params` / `critic_params` themselves (no copy): `make_iteration`
+    donates the state by default, after which those arrays are deleted. Pass copies (or
+    `donate=False`) if you keep using them.
     """
     _check_models(actor_model, critic_model, cfg)
     if reward is not None:
@@ -440,6 +451,7 @@ class Rollout(NamedTuple):
     sampler_logp: jax.Array
     values: jax.Array
     scores: jax.Array
+    reward_metrics: dict
 
 
 def score_rollout(
@@ -471,11 +483,15 @@ def score_rollout(
     response_mask = attention_mask[:, prompt_len:].astype(bool)
     scores = reward.fn(state.reward_params, RewardInputs(sequences, attention_mask, response_ids,
                                                           response_mask, extras))
+    reward_metrics = {}
+    if isinstance(scores, tuple):
+        scores, reward_metrics = scores
     scores = jnp.asarray(scores, jnp.float32).reshape(sequences.shape[0])
     if sampler_logp is None:
         sampler_logp = old_logp
     return Rollout(sequences, attention_mask, response_ids, response_mask, old_logp, ref_logp, sampler_logp,
-                   values.astype(jnp.float32), jax.lax.stop_gradient(scores))
+                   values.astype(jnp.float32), jax.lax.stop_gradient(scores),
+                   jax.lax.stop_gradient(dict(reward_metrics)))
 
 
 def process_scores(
@@ -587,11 +603,26 @@ def ppo_loss(
     return loss, jax.lax.stop_gradient(metrics)
 
 
+_LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy")
+_TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
+
+
 def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs):
-    """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`)."""
+    """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`).
+
+    The metrics are weighted too, so that `accumulate_gradients`' plain mean over
+    micro-batches gives the minibatch's values: losses by the same share as the loss,
+    token means by the micro-batch's share of tokens. (`ratio_min/max` stay a mean of
+    micro-batch extremes.)
+    """
     loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg)
-    scale = accumulation_scale(batch["response_mask"], mode=cfg.agg, total_tokens=total_tokens,
-                               total_seqs=total_seqs)
+    mask = batch["response_mask"]
+    scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
+    if cfg.num_microbatches > 1:
+        n = cfg.num_microbatches
+        token_share = jnp.sum(mask, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
+        metrics = {k: v * (scale * n if k in _LOSS_METRICS else token_share * n if k in _TOKEN_METRICS else 1.0)
+                   for k, v in metrics.items()}
     return loss * scale, metrics
 
 
@@ -640,10 +671,10 @@ def update(
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_actor = keep(actor.apply_gradients(grads["actor"], tx_actor), actor)
         new_critic = None
-        metrics = dict(metrics, finite=finite, grad_norm=optax.global_norm(grads["actor"]))
+        metrics = dict(metrics, finite=finite, grad_norm=optax.tree.norm(grads["actor"]))
         if critic is not None:
             new_critic = keep(critic.apply_gradients(grads["critic"], tx_critic), critic)
-            metrics["grad_norm_critic"] = optax.global_norm(grads["critic"])
+            metrics["grad_norm_critic"] = optax.tree.norm(grads["critic"])
         return (new_actor, new_critic), metrics
 
     (actor, critic), per_step = jax.lax.scan(step, (state.actor, state.critic), index)
@@ -681,6 +712,7 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
         values_mean=ops.masked_mean(roll.values, mask),
         sampler_logp_diff_max=jnp.max(jnp.where(mask, jnp.abs(roll.sampler_logp - roll.old_logp), 0.0)),
         num_tokens=jnp.sum(mask, dtype=jnp.float32),
+        **roll.reward_metrics,
     )
     if cfg.sampling.eos_id is not None:
         has_eos = jnp.any((roll.response_ids == cfg.sampling.eos_id) & mask, axis=1)
