@@ -1,0 +1,209 @@
+"""Reward modelling: Bradley–Terry on preference pairs with a "score"-head transformer.
+
+A batch is a `data.preference_batch` (the same layout as DPO's, without reference columns):
+
+    prompt_ids, prompt_mask        [B, P]  left-padded prompts
+    chosen_ids, chosen_mask        [B, T]  right-padded preferred responses (EOS included)
+    rejected_ids, rejected_mask    [B, T]  right-padded other responses
+    margin                         [B]     optional: required score gap per pair
+
+The score of a sequence is the score head's scalar at the last valid token of
+prompt ⧺ response (`models.score_at_last_token`); chosen and rejected go through one
+forward pass of `2B` rows; the loss is `ops.reward_model_loss` = mean of
+`−log σ(s_c − s_r − margin)` (SPEC §5).
+
+    model, params = init_from_policy(policy_model, policy_params)   # trunk copied, new head
+    state = init_state(params, tx)
+    step = jax.jit(make_train_step(model, tx, RewardModelConfig()), donate_argnums=0)
+    reward = score_fn(model, state.params)       # (sequences, attention_mask) -> [N], for PPO
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrlhf import ops
+from jaxrlhf.algorithms import common
+from jaxrlhf.algorithms.dpo import PAIR_KEYS, check_pairs, pair_sequences
+from jaxrlhf.models.transformer import Transformer, score_at_last_token
+
+PyTree = Any
+Batch = Mapping[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelConfig:
+    """Bradley–Terry reward-model training.
+
+    Attributes:
+      use_margin: subtract `batch["margin"]` `[B]` inside the sigmoid (Llama-2 style);
+        the batch must then carry it.
+      num_microbatches: gradient accumulation steps per batch; must divide B. The loss is a
+        mean over pairs, and accumulation reproduces the full-batch mean exactly.
+    """
+
+    use_margin: bool = False
+    num_microbatches: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"RewardModelConfig.num_microbatches must be an int >= 1, "
+                             f"got {self.num_microbatches!r}")
+
+
+def _check_batch(batch: Batch, cfg: RewardModelConfig) -> None:
+    check_pairs(batch, with_reference=False, num_microbatches=cfg.num_microbatches)
+    if cfg.use_margin:
+        b = batch["prompt_ids"].shape[0]
+        if "margin" not in batch:
+            raise ValueError("RewardModelConfig.use_margin=True but the batch has no 'margin' [B]")
+        if batch["margin"].shape != (b,):
+            raise ValueError(f"reward-model batch: margin must be [B] = ({b},), got {batch['margin'].shape}")
+
+
+def _check_score_model(model: Transformer) -> None:
+    if model.head != "score":
+        raise ValueError(f"a reward model needs a Transformer with head='score', got head={model.head!r} "
+                         "(see init_from_policy)")
+
+
+def init_from_policy(policy_model: Transformer, policy_params: PyTree, *, seed: int = 0,
+                     head_std: float = 0.02) -> tuple[Transformer, PyTree]:
+    """A reward model on a policy's trunk: `(Transformer(config, "score"), params)`.
+
+    Every trunk tensor (embeddings, layers, final norm) is copied; the LM and value heads
+    are dropped and a new `score` head `[D, 1]` is drawn from N(0, head_std²) with `seed`.
+    From a Hugging Face causal-LM folder, `models.load_pretrained(path, head="score")` does
+    the same in one call.
+    """
+    trunk = {k: v for k, v in policy_params.items() if k not in ("lm_head", "value_head", "score")}
+    d = policy_model.config.hidden_size
+    dtype = jnp.dtype(policy_model.config.param_dtype)
+    kernel = head_std * jax.random.normal(jax.random.key(seed), (d, 1), jnp.float32)
+    params = dict(trunk, score={"kernel": kernel.astype(dtype)})
+    return Transformer(policy_model.config, head="score"), jax.tree.map(jnp.array, params)
+
+
+def init_state(params: PyTree, tx: optax.GradientTransformation) -> common.TrainState:
+    return common.TrainState.create(params, tx)
+
+
+def score(model: Transformer, params, sequences_NxL: jax.Array, attention_mask_NxL: jax.Array) -> jax.Array:
+    """Scores `[N]` float32: the score head at the last valid token of each row.
+
+    Rows may be left-padded (prompt) and right-padded (response) at once.
+    """
+    _check_score_model(model)
+    out = model.apply({"params": params}, sequences_NxL, attention_mask_NxL)
+    return score_at_last_token(out.values, attention_mask_NxL)
+
+
+def score_fn(model: Transformer, params) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """`fn(sequences [N, L], attention_mask [N, L]) -> scores [N]`, jittable, for PPO.
+
+    The params are closed over (a frozen reward model). Under `jit` they become constants
+    of the compiled function; to share one compilation across parameter values, jit
+    `functools.partial(score, model)` instead and pass the params.
+    """
+    _check_score_model(model)
+
+    def fn(sequences_NxL, attention_mask_NxL):
+        return score(model, params, sequences_NxL, attention_mask_NxL)
+
+    return fn
+
+
+def pair_scores(model: Transformer, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """`(chosen [B], rejected [B])` scores from one forward pass of `2B` rows."""
+    sequences, attention_mask, _, _ = pair_sequences(batch)
+    scores_2B = score(model, params, sequences, attention_mask)
+    b = batch["prompt_ids"].shape[0]
+    return scores_2B[:b], scores_2B[b:]
+
+
+def loss_fn(params, batch: Batch, *, model: Transformer, cfg: RewardModelConfig) -> tuple[jax.Array, dict]:
+    """`ops.reward_model_loss` of the pair scores. Metrics (means over pairs): `accuracy`
+    (s_c > s_r), `score_gap`, `chosen_score`, `rejected_score`."""
+    chosen, rejected = pair_scores(model, params, batch)
+    loss, metrics = ops.reward_model_loss(chosen, rejected, margin=batch["margin"] if cfg.use_margin else None)
+    metrics = dict(metrics, chosen_score=jnp.mean(jax.lax.stop_gradient(chosen)),
+                   rejected_score=jnp.mean(jax.lax.stop_gradient(rejected)))
+    return loss, metrics
+
+
+def _apply_if_finite(state: common.TrainState, tx, grads, loss) -> tuple[common.TrainState, jax.Array]:
+    """The updated state, or `state` unchanged when the loss or any gradient is NaN/Inf."""
+    finite = common.tree_finite(grads) & jnp.isfinite(loss)
+    new = state.apply_gradients(grads, tx)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state), finite
+
+
+def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: RewardModelConfig
+                    ) -> Callable[[common.TrainState, Batch, jax.Array], tuple[common.TrainState, dict]]:
+    """`step(state, batch, rng) -> (state, metrics)`, a pure function (not jitted).
+
+    Jit it yourself, e.g. `jax.jit(step, donate_argnums=0)` (or `jit_train_step`); `rng`
+    is unused. Metrics: those of `loss_fn` (averaged over micro-batches), `loss`,
+    `grad_norm` (before clipping) and `finite`; when `finite` is False the update is
+    skipped.
+    """
+    _check_score_model(model)
+    n = cfg.num_microbatches
+    keys = PAIR_KEYS + (("margin",) if cfg.use_margin else ())
+
+    def step(state: common.TrainState, batch: Batch, rng: jax.Array):
+        del rng
+        _check_batch(batch, cfg)
+        total_pairs = batch["prompt_ids"].shape[0]
+
+        def micro_loss(params, mb, index):
+            del index
+            loss, metrics = loss_fn(params, mb, model=model, cfg=cfg)
+            scale = common.accumulation_scale(mb["prompt_mask"], mode="seq-mean-token-mean",
+                                              total_tokens=jnp.float32(0), total_seqs=total_pairs)
+            return loss * scale, metrics
+
+        loss, metrics, grads = common.accumulate_gradients(
+            micro_loss, state.params, {k: batch[k] for k in keys}, num_microbatches=n)
+        new_state, finite = _apply_if_finite(state, tx, grads, loss)
+        return new_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
+
+    return step
+
+
+def jit_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: RewardModelConfig):
+    """`jax.jit(make_train_step(...), donate_argnums=0)`: the state's buffers are reused."""
+    return jax.jit(make_train_step(model, tx, cfg), donate_argnums=0)
+
+
+def make_eval_step(model: Transformer, cfg: RewardModelConfig) -> Callable[[PyTree, Batch], dict]:
+    """`eval_step(params, batch) -> metrics` (pure; jit it) on held-out pairs.
+
+    Metrics are means over pairs weighted by `batch["weight"]` `[B]` (optional, default
+    ones; zero it for padding rows), plus `weight` = Σ weights: `loss`, `accuracy`
+    (s_c > s_r), `score_gap`, `chosen_score`, `rejected_score`.
+    """
+    _check_score_model(model)
+
+    def eval_step(params, batch: Batch) -> dict:
+        _check_batch(batch, cfg)
+        chosen, rejected = pair_scores(model, params, batch)
+        margin = batch["margin"] if cfg.use_margin else jnp.zeros_like(chosen)
+        loss_B, metrics_B = jax.vmap(lambda c, r, m: ops.reward_model_loss(c[None], r[None], margin=m[None]))(
+            chosen, rejected, margin)
+        weight_B = jnp.asarray(batch.get("weight", jnp.ones_like(loss_B)), jnp.float32)
+        total = jnp.sum(weight_B)
+
+        def mean(x):
+            return jnp.sum(weight_B * x) / jnp.maximum(total, 1e-12)
+
+        return dict(loss=mean(loss_B), weight=total, chosen_score=mean(chosen), rejected_score=mean(rejected),
+                    **{k: mean(v) for k, v in metrics_B.items()})
+
+    return eval_step
+
