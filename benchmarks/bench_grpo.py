@@ -1,0 +1,346 @@
+"""GRPO step benchmark: jaxrlhf vs TRL's GRPOTrainer (PyTorch), in one process.
+
+WORKLOAD.md measurement 3: a tiny random-init Llama (vocab 512, hidden 256, intermediate
+688, 4 layers, 4/2 heads, head_dim 64, float32); per step 2 prompts (32 tokens, from the
+64 `prompts` of workload_prompts.json, shuffled with seed 0) × 8 generations of exactly 64
+new tokens (τ = 1, no top-k / top-p, no EOS); reward = fraction of completion tokens equal
+to id 7; advantages (r − mean_group)/(std_group + 1e-4); loss "dapo" (token mean over the
+batch), clip 0.2, β = 0, μ = 1; AdamW lr 1e-6 decayed linearly to 0 over the run,
+weight decay 0, max_grad_norm 1.0.
+
+jaxrlhf runs rollout → reward → advantages → update as one jitted program
+(`grpo.make_iteration`, state donated); its generation share is the median time of the
+rollout alone (the same sampler, jitted on its own) over the median step. TRL runs
+`GRPOTrainer` (bf16=False, gradient checkpointing on — TRL's default — and off,
+`generation_kwargs={"min_new_tokens": 64}`, `torch.set_num_threads(2)`); its generation time
+is the time spent in `_generate_single_turn` within each optimizer step. Both start from
+the same weights (the torch init, `torch.manual_seed(0)`, read into JAX with
+`load_pretrained`).
+
+    python benchmarks/bench_grpo.py --out /tmp/bench_grpo.json
+    python benchmarks/bench_grpo.py --quick            # 1 warm-up + 2 timed steps, a smoke run
+
+A result with `contended: true` (other processes used CPU while it ran) is not valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(REPO), "shared", "workload_prompts.json")
+G, T_NEW, TARGET, PROMPTS_PER_STEP = 8, 64, 7, 2
+
+
+def _hf_config():
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation="sdpa")
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+class CpuWatch:
+    """CPU time used by other processes (in cores) while a timed section runs."""
+
+    def _busy(self):
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+    def _own(self):
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def __enter__(self):
+        self.t0, self.busy0, self.own0, self.load0 = time.perf_counter(), self._busy(), self._own(), os.getloadavg()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        self.own_cores = (self._own() - self.own0) / self.wall
+        self.others_cores = max(0.0, (self._busy() - self.busy0) / self.wall - self.own_cores)
+        self.load1 = os.getloadavg()
+
+    def report(self) -> dict:
+        return dict(others_cores=round(self.others_cores, 3), own_cores=round(self.own_cores, 3),
+                    loadavg_before=self.load0, loadavg_after=self.load1, wall_s=round(self.wall, 2),
+                    contended=self.others_cores > 0.25)
+
+
+def _stats(times):
+    return dict(min_s=min(times), median_s=statistics.median(times), max_s=max(times), n=len(times))
+
+
+# --------------------------------------------------------------------------- jaxrlhf
+
+
+def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf import rewards
+    from jaxrlhf.algorithms import common, grpo
+    from jaxrlhf.algorithms.experience import SamplingConfig
+    from jaxrlhf.models import load_pretrained
+
+    model, params = load_pretrained(ckpt_dir)
+    total = warmup + steps
+    tx, schedule = common.make_optimizer(common.OptimConfig(
+        lr=1e-6, schedule="linear", total_steps=total, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+        max_grad_norm=1.0))
+    cfg = grpo.GRPOConfig(
+        sampling=SamplingConfig(max_new_tokens=T_NEW, temperature=1.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0,
+                                num_samples=G),
+        advantage="grpo", adv_eps=1e-4, beta=0.0, clip_low=0.2, agg="token-mean", num_iterations=1)
+
+    def fraction_of_target(ids_NxT, mask_NxT, extras):
+        mask_NxT = mask_NxT.astype(bool)
+        hits = jnp.sum((ids_NxT == TARGET) & mask_NxT, axis=1)
+        return (hits / jnp.maximum(jnp.sum(mask_NxT, axis=1), 1)).astype(jnp.float32)
+
+    reward = rewards.jax_reward(fraction_of_target, name="frac7")
+    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True)
+    rollout = jax.jit(functools.partial(grpo.rollout, model=model, cfg=cfg, reward=reward))
+    box = {"state": grpo.init_state(params, tx)}
+    rng = jax.random.key(0)
+
+    def batch(i):
+        rows = order[(PROMPTS_PER_STEP * i + np.arange(PROMPTS_PER_STEP)) % len(order)]
+        ids = jnp.asarray(prompts_64x32[rows], jnp.int32)
+        return ids, jnp.ones_like(ids, bool)
+
+    def step(i):
+        ids, mask = batch(i)
+        box["state"], metrics = iteration(box["state"], ids, mask, {}, rng)
+        return jax.device_get(metrics)
+
+    def gen(i):
+        ids, mask = batch(i)
+        out, scores = rollout(box["state"], ids, mask, {}, rng)
+        jax.block_until_ready((out, scores))
+
+    t0 = time.perf_counter()
+    first = step(0)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gen(0)
+    rollout_compile_s = time.perf_counter() - t0
+    for i in range(1, warmup):
+        step(i)
+        gen(i)
+    step_times, gen_times, history = [], [], []
+    with CpuWatch() as watch:
+        for i in range(warmup, total):
+            t0 = time.perf_counter()
+            history.append(step(i))
+            step_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            gen(i)
+            gen_times.append(time.perf_counter() - t0)
+    med_step, med_gen = statistics.median(step_times), statistics.median(gen_times)
+    return dict(
+        stats=_stats(step_times), step_times=step_times, generation_times=gen_times,
+        generation_share=med_gen / med_step, first_call_s=compile_s, rollout_first_call_s=rollout_compile_s,
+        first_step=dict(reward_mean=float(first["reward/mean"]), ratio_max=float(first["ratio_max"]),
+                        clipfrac=float(first["clipfrac"]), grad_norm=float(first["grad_norm"]),
+                        response_length_mean=float(first["response_length/mean"])),
+        last_reward_mean=float(history[-1]["reward/mean"]), cpu_watch=watch.report(),
+        note="one jitted program per step (rollout + reward + advantages + update, state donated); generation "
+             "timed separately as the jitted rollout alone")
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing):
+    import datasets
+    import torch
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = transformers.LlamaForCausalLM(_hf_config())
+    model.load_state_dict(tm_state_dict)
+    tokenizer = _word_tokenizer()
+    prompts = [" ".join(f"t{int(t)}" for t in row) for row in prompts_64x32]
+    assert tokenizer(prompts[0])["input_ids"] == [int(t) for t in prompts_64x32[0]]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts})
+
+    def frac7(prompts, completions, completion_ids, **kwargs):
+        return [sum(1 for t in ids if t == TARGET) / max(len(ids), 1) for ids in completion_ids]
+
+    gen_times = []
+
+    class Timed(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            gen_times.append(time.perf_counter() - t0)
+            return out
+
+    step_times, lengths = [], []
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+            self.gen_before = len(gen_times)
+
+        def on_step_end(self, args, state, control, **kw):
+            step_times.append((time.perf_counter() - self.t0, sum(gen_times[self.gen_before:])))
+
+    total = warmup + steps
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = GRPOConfig(
+            output_dir=out_dir, per_device_train_batch_size=PROMPTS_PER_STEP * G, gradient_accumulation_steps=1,
+            steps_per_generation=1, num_generations=G, max_completion_length=T_NEW,
+            generation_kwargs={"min_new_tokens": T_NEW}, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
+            loss_type="dapo", scale_rewards="group", epsilon=0.2, num_iterations=1, learning_rate=1e-6,
+            lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused",
+            bf16=False, gradient_checkpointing=gradient_checkpointing, use_cpu=True, max_steps=total,
+            logging_steps=1, save_strategy="no", report_to="none", seed=0, log_completions=False,
+            disable_tqdm=True)
+        trainer = Timed(model=model, reward_funcs=frac7, args=args, train_dataset=dataset,
+                        processing_class=tokenizer, callbacks=[StepTimer()])
+        trainer.remove_callback(transformers.PrinterCallback)  # keep stdout for the table
+        with CpuWatch() as watch:
+            trainer.train()
+        logs = [h for h in trainer.state.log_history if "reward" in h]
+    timed = step_times[warmup:]
+    times = [s for s, _ in timed]
+    gens = [g for _, g in timed]
+    return dict(
+        stats=_stats(times), step_times=times, generation_times=gens,
+        generation_share=statistics.median(gens) / statistics.median(times),
+        first_step=dict(reward_mean=logs[0].get("reward") if logs else None,
+                        completion_length=logs[0].get("completions/mean_length") if logs else None),
+        last_reward_mean=logs[-1].get("reward") if logs else None, cpu_watch=watch.report(),
+        note=f"GRPOTrainer, gradient_checkpointing={gradient_checkpointing}; cpu_watch covers all "
+             f"{total} steps including warm-up")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="workload_prompts.json")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps (a smoke run, not a result)")
+    ap.add_argument("--framework", choices=("both", "jax", "trl"), default="both")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warmup, args.steps = 1, 2
+    elif args.steps < 6:
+        ap.error("--steps must be >= 6 (WORKLOAD.md protocol); use --quick for a smoke run")
+    sys.path.insert(0, REPO)
+
+    t_start = time.perf_counter()
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    with open(args.prompts) as f:
+        prompts = np.asarray(json.load(f)["prompts"], np.int64)
+    assert prompts.shape == (64, 32), prompts.shape
+    # TRL's sampler draws a seeded permutation of the pool; ours is numpy's, also seed 0.
+    order = np.random.default_rng(0).permutation(len(prompts))
+
+    torch.manual_seed(0)
+    tm = transformers.LlamaForCausalLM(_hf_config())
+    n_params = sum(p.numel() for p in tm.parameters())
+    state_dict = {k: v.clone() for k, v in tm.state_dict().items()}
+    results, errors = {}, {}
+    if args.framework in ("both", "jax"):
+        with tempfile.TemporaryDirectory() as ckpt:
+            tm.save_pretrained(ckpt, safe_serialization=True)
+            results["jaxrlhf"] = run_jax(ckpt, prompts, order, args.warmup, args.steps)
+    del tm
+    if args.framework in ("both", "trl"):
+        for gc in (True, False):
+            name = f"trl (grad ckpt {'on' if gc else 'off'})"
+            try:
+                results[name] = run_trl(state_dict, prompts, args.warmup, args.steps, gc)
+            except ImportError as e:  # TRL not installed: report the JAX side alone
+                errors[name] = f"{type(e).__name__}: {e}"
+                break
+
+    import jax
+
+    versions = dict(jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
+                    python=platform.python_version())
+    try:
+        import trl
+
+        versions["trl"] = trl.__version__
+    except ImportError:
+        pass
+    result = dict(
+        workload="WORKLOAD.md measurement 3 (GRPO step)", params=n_params, results=results, errors=errors,
+        quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_peak_rss_mib(),
+        peak_rss_note=f"whole process, frameworks run: {args.framework}", versions=versions, nproc=os.cpu_count(),
+        contended=any(r["cpu_watch"]["contended"] for r in results.values()), total_s=time.perf_counter() - t_start)
+    print(_markdown(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _markdown(r) -> str:
+    lines = ["| framework | min s/step | median s/step | max s/step | generation share (median) | first reward | "
+             "other cores busy |", "|---|---|---|---|---|---|---|"]
+    for name, res in r["results"].items():
+        s = res["stats"]
+        lines.append(f"| {name} | {s['min_s']:.3f} | {s['median_s']:.3f} | {s['max_s']:.3f} | "
+                     f"{res['generation_share']:.0%} | {res['first_step']['reward_mean']} | "
+                     f"{res['cpu_watch']['others_cores']:.2f} |")
+    extra = [f"params {r['params']:,}; {r['steps']} timed steps after {r['warmup']} warm-up"
+             + (" (--quick: a smoke run, not a result)" if r["quick"] else "")]
+    jx = r["results"].get("jaxrlhf")
+    if jx:
+        extra.append(f"jaxrlhf first call (compile + step) {jx['first_call_s']:.1f} s; first step ratio_max "
+                     f"{jx['first_step']['ratio_max']}, clipfrac {jx['first_step']['clipfrac']}")
+        for name, res in r["results"].items():
+            if name != "jaxrlhf":
+                extra.append(f"{name} / jaxrlhf median step time: "
+                             f"{res['stats']['median_s'] / jx['stats']['median_s']:.2f}x")
+    for name, err in r["errors"].items():
+        extra.append(f"{name}: not run ({err})")
+    extra.append(f"peak RSS {r['peak_rss_mib']:.0f} MiB ({r['peak_rss_note']})")
+    extra.append(f"contended: {r['contended']}")
+    return "\n".join(lines + [""] + ["- " + e for e in extra])
+
+
+if __name__ == "__main__":
+    main()
