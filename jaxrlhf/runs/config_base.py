@@ -15,6 +15,13 @@ def task(**kw) -> mlc.ConfigDict:
         partial_credit=0.0, seed=0), **kw))
 
 
+def jsonl_task(**kw) -> mlc.ConfigDict:
+    """Prompts + reference answers from local JSONL/Parquet files (GSM8K-style fields)."""
+    return mlc.ConfigDict(dict(dict(
+        name="jsonl", path="", test_path="", tokenizer_path="", prompt_key="question", answer_key="answer",
+        max_prompt_tokens=256, max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip"), **kw))
+
+
 def model(**kw) -> mlc.ConfigDict:
     """A fresh model of these sizes, or `path=` a local Hugging Face checkpoint folder."""
     return mlc.ConfigDict(dict(dict(
@@ -57,7 +64,7 @@ def train(**kw) -> mlc.ConfigDict:
     """The loop: logging, evaluation, checkpoints, export."""
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
-        show_samples=5, export=True), **kw))
+        show_samples=5, export=True, eval_batch_size=512), **kw))
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:

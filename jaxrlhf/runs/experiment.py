@@ -51,10 +51,10 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    task = build_task(config.task)
+    task = build_task(config.task, model_path=config.model.path)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id)
-    accuracy = make_accuracy_fn(model, task)
+    accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size)
     rng = jax.random.key(config.seed)
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     rows, extras = [], {}

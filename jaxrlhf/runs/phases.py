@@ -20,7 +20,7 @@ from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
 from jaxrlhf.runs import setup
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
-from jaxrlhf.runs.tasks import Task
+from jaxrlhf.runs.tasks import Task, host_extras
 
 log = logging.getLogger("jaxrlhf")
 
@@ -83,7 +83,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, e
     pool = cfg.pool_size if cfg.dynamic_sampling and cfg.pool_size > 0 else cfg.prompts_per_step
 
     def step(state, batch, rng):
-        return iteration(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
+        return iteration(state, batch["prompt_ids"], batch["prompt_mask"], host_extras(batch, keys), rng)
 
     ref = jax.tree.map(jnp.copy, params) if gcfg.beta > 0 else None
     monitor = HealthMonitor(MonitorConfig(clip=gcfg.clip_low))

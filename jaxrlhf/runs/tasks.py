@@ -75,44 +75,90 @@ def addition(cfg) -> Task:
         decode=lambda ids: tok.decode(ids))
 
 
-TASKS = {"addition": addition}
+def _prompt_arrays(prompts: data.PromptData, prompt_len: int, pad_id: int) -> dict:
+    ids, mask = data.left_pad(prompts.prompt_ids, prompt_len, pad_id=pad_id)
+    return dict(prompt_ids=ids, prompt_mask=mask, answer=np.asarray(prompts.answer, dtype=object))
 
 
-def build_task(cfg) -> Task:
+def jsonl(cfg, *, tokenizer_path: str) -> Task:
+    """Prompts and reference answers from JSONL/Parquet files, a Hugging Face tokenizer,
+    and a host-side exact-answer reward (`data.final_answer_reward`)."""
+    from jaxrlhf.models import load_tokenizer
+
+    if not tokenizer_path:
+        raise ValueError("task.name='jsonl' needs a tokenizer: set model.path (or task.tokenizer_path)")
+    tok = load_tokenizer(tokenizer_path, chat_template=bool(cfg.chat_template))
+    read = lambda path: data.read_prompts(path, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                                          max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
+                                          system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
+    train, test = read(cfg.path), read(cfg.test_path or cfg.path)
+    if not train.prompt_ids or not test.prompt_ids:
+        raise ValueError(f"task.path={cfg.path}: no usable prompts ({train.skipped})")
+    prompt_len = max(len(x) for x in train.prompt_ids + test.prompt_ids)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    reward = rewards.host_reward(lambda prompts, responses, ex: data.final_answer_reward(responses, ex["answer"]),
+                                 tok, name="exact_answer")
+    return Task(
+        name="jsonl", tokenizer=tok, vocab_size=len(tok), pad_id=pad_id, bos_id=tok.bos_token_id,
+        eos_id=tok.eos_token_id, prompt_len=prompt_len, response_len=cfg.max_new_tokens, sft=None,
+        prompts=_prompt_arrays(train, prompt_len, pad_id), test_prompts=_prompt_arrays(test, prompt_len, pad_id),
+        pairs=None, test_pairs=None, reward=reward, extra_keys=("answer",),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+
+TASKS = {"addition": addition, "jsonl": jsonl}
+
+
+def build_task(cfg, *, model_path: str = "") -> Task:
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r}; expected one of {sorted(TASKS)}")
+    if cfg.name == "jsonl":
+        return jsonl(cfg, tokenizer_path=cfg.tokenizer_path or model_path)
     return TASKS[cfg.name](cfg)
+
+
+def host_extras(batch: dict, keys) -> dict:
+    """Reward extras of a batch: object arrays (e.g. answer strings) become lists."""
+    return {k: list(batch[k]) if batch[k].dtype == object else batch[k] for k in keys}
 
 
 def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512):
     """`accuracy(params) -> {"accuracy", "reward"}`: greedy decoding on the held-out prompts.
 
-    `accuracy` is the fraction whose exact-match component is 1; `reward` the full reward.
+    `accuracy` is the mean of the reward's first component (the exact-match reward of the
+    built-in tasks); `reward` the mean of the full weighted reward. Host rewards run on
+    the decoded text.
     """
     p = task.test_prompts
     n = p["prompt_ids"].shape[0]
 
     @jax.jit
-    def scores(params, prompt_ids, prompt_mask, extras):
+    def decode_greedy(params, prompt_ids, prompt_mask):
         out = sample(model, params, prompt_ids, prompt_mask, jax.random.key(0), max_new_tokens=task.response_len,
                      temperature=0.0, eos_id=task.eos_id, pad_id=task.pad_id)
-        parts = task.reward.device_scores(rewards.RewardInput.from_sample(out), extras)
-        return task.reward.total(parts), parts, out.response_ids, out.response_mask
+        return out
+
+    @jax.jit
+    def device_scores(out, extras):
+        return task.reward.device_scores(rewards.RewardInput.from_sample(out), extras)
 
     def accuracy(params, *, return_samples: int = 0):
         totals, exact, samples = [], [], []
+        first = task.reward.components[0].name
         for i in range(0, n, batch_size):
             sl = slice(i, i + batch_size)
-            extras = {k: jnp.asarray(p[k][sl]) for k in task.extra_keys}
-            total, parts, ids, mask = scores(params, jnp.asarray(p["prompt_ids"][sl]), jnp.asarray(p["prompt_mask"][sl]),
-                                             extras)
-            totals.append(np.asarray(total))
-            exact.append(np.asarray(parts[task.reward.components[0].name]))
-            if len(samples) < return_samples:
-                for j in range(min(return_samples - len(samples), ids.shape[0])):
-                    prompt = task.decode(np.asarray(p["prompt_ids"][i + j])[np.asarray(p["prompt_mask"][i + j])])
-                    resp = task.decode(np.asarray(ids[j])[np.asarray(mask[j])])
-                    samples.append((prompt, resp, float(exact[-1][j])))
+            batch = {k: p[k][sl] for k in p}
+            out = decode_greedy(params, jnp.asarray(batch["prompt_ids"]), jnp.asarray(batch["prompt_mask"]))
+            extras = host_extras(batch, task.extra_keys)
+            parts = dict(device_scores(out, {k: v for k, v in extras.items() if hasattr(v, "shape")}))
+            if not task.reward.is_jax:
+                parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(jax.device_get(out)), extras))
+            totals.append(np.asarray(task.reward.total(parts)))
+            exact.append(np.asarray(parts[first]))
+            ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
+            for j in range(min(return_samples - len(samples), ids.shape[0])):
+                prompt = task.decode(batch["prompt_ids"][j][batch["prompt_mask"][j]])
+                samples.append((prompt, task.decode(ids[j][mask[j]]), float(exact[-1][j])))
         result = {"accuracy": float(np.concatenate(exact).mean()), "reward": float(np.concatenate(totals).mean())}
         return (result, samples) if return_samples else result
 

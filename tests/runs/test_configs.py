@@ -1,0 +1,68 @@
+"""Every shipped config loads, is locked, and its tiny variant trains end to end."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrlhf.runs import train_and_evaluate
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.py"))
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_loads_and_is_locked(path):
+    module = _load(path)
+    assert "python -m jaxrlhf.train --config=configs/" in module.__doc__
+    for variant in (None, "tiny"):
+        c = module.get_config(variant)
+        assert c.is_locked
+    with pytest.raises(AttributeError, match='Did you mean "lr"'):
+        c.sft.optim.lrr = 1.0  # every config has an SFT section (possibly 0 steps)
+    with pytest.raises(ValueError, match="unknown variant"):
+        module.get_config("huge")
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem.startswith("addition_")], ids=lambda p: p.stem)
+def test_tiny_variant_runs_end_to_end(path, tmp_path):
+    config = _load(path).get_config("tiny")
+    summary = train_and_evaluate(config, tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text().strip()
+    assert json.loads((tmp_path / "summary.json").read_text())["seconds"] > 0
+    assert (tmp_path / "export" / "config.json").exists()
+    if config.algorithm != "reward_model":
+        assert {"accuracy", "reward"} <= set(summary["stages"][f"after {config.algorithm.upper()}"])
+
+
+def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_path):
+    """The realistic config end to end: local HF folder (weights + tokenizer) and JSONL data."""
+    import transformers
+
+    from jaxrlhf import data
+    from jaxrlhf.models import ModelConfig, random_init, save_pretrained
+
+    tok = data.CharTokenizer().to_hf()
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, model_type="qwen2", qkv_bias=True, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    model, params = random_init(cfg)
+    save_pretrained(model, params, tmp_path / "ckpt", tokenizer=tok)
+    assert isinstance(transformers.AutoTokenizer.from_pretrained(tmp_path / "ckpt"), transformers.PreTrainedTokenizerBase)
+    rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 2)]]
+    rows.append({"question": "", "answer": "1"})  # skipped (empty prompt) and counted
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    config = _load(next(p for p in CONFIGS if p.stem == "hf_gsm8k_grpo")).get_config("tiny")
+    with config.unlocked():
+        config.model.path = str(tmp_path / "ckpt")
+        config.task.path = str(tmp_path / "train.jsonl")
+    summary = train_and_evaluate(config, tmp_path / "run")
+    assert "after GRPO" in summary["stages"]
+    assert (tmp_path / "run" / "export" / "model.safetensors").exists()
