@@ -31,8 +31,8 @@ from jax import lax
 
 from jaxrlhf.ops import _checks
 
-# Float32 elements one entropy chunk may hold: 2**26 × 4 bytes = 256 MiB, i.e. 441 tokens
-# at V = 151,936, and no chunking at all for small vocabularies.
+# Float32 elements one entropy chunk may hold: 2**26 × 4 bytes = 256 MiB, i.e. 55
+# positions at B = 8, V = 151,936, and no chunking at all for small vocabularies.
 _CHUNK_ELEMENTS = 2**26
 
 
