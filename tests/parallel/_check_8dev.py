@@ -1,0 +1,332 @@
+"""Sharding checks on 8 CPU devices, run in a subprocess by test_sharding.py.
+
+`python _check_8dev.py OUT.json [check ...]` runs the named checks (all by default) and
+writes `{name: {"ok": bool, "detail": str}}`. The device count is set before jax loads, so
+it never leaks into the parent test process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import _models as M  # noqa: E402
+from jaxrlhf import parallel  # noqa: E402
+from jaxrlhf.algorithms.common import TrainState  # noqa: E402
+from jaxrlhf.models import load_pretrained, random_init, save_pretrained  # noqa: E402
+from jaxrlhf.models.transformer import Transformer, init_params  # noqa: E402
+from jaxrlhf.rollout.sampler import generate  # noqa: E402
+
+MESHES = {"fsdp4_tensor2": "data=1,fsdp=4,tensor=2", "data2_fsdp4": "data=2,fsdp=4,tensor=1"}
+CHECKS = {}
+MODEL = Transformer(M.LLAMA, "lm_value")  # the model of the init / forward / train checks
+_CACHE = {}
+
+
+def cached(fn):
+    def wrapper(*args):
+        key = (fn.__name__,) + args
+        if key not in _CACHE:
+            _CACHE[key] = fn(*args)
+        return _CACHE[key]
+    return wrapper
+
+
+@cached
+def mesh_of(name):
+    return parallel.make_mesh(MESHES[name])
+
+
+@cached
+def sharded_params(name):
+    """Born sharded under (fsdp=4, tensor=2) by `init_sharded`; placed by `device_put` under
+    the other mesh (one init compilation each for the sharded and the reference params)."""
+    if name == "fsdp4_tensor2":
+        return parallel.init_sharded(MODEL, jax.random.key(0), mesh_of(name), seq_len=2)
+    return jax.device_put(ref_params(), parallel.param_shardings(MODEL, mesh_of(name)))
+
+
+@cached
+def ref_params():
+    return jax.jit(lambda r: init_params(MODEL, r, seq_len=2))(jax.random.key(0))
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def expect_raises(exc, fn, *needles):
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        for n in needles:
+            assert n in msg, f"{n!r} not in error message {msg!r}"
+        return msg
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
+def close(a, b, rtol=1e-5, atol=1e-6, what=""):
+    fa, fb = jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))
+    assert len(fa) == len(fb), what
+    worst = 0.0
+    for x, y in zip(fa, fb):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=what)
+        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)))
+    return worst
+
+
+@check
+def mesh_shapes():
+    assert jax.device_count() == 8
+    m = parallel.make_mesh("data=-1,fsdp=4,tensor=2")
+    assert dict(m.shape) == {"data": 1, "fsdp": 4, "tensor": 2}, m.shape
+    m = parallel.make_mesh({"fsdp": 4})
+    assert dict(m.shape) == {"data": 2, "fsdp": 4, "tensor": 1}, m.shape
+    m = parallel.make_mesh(parallel.MeshConfig(data=2, fsdp=2, tensor=2))
+    assert m.axis_names == ("data", "fsdp", "tensor")
+    expect_raises(ValueError, lambda: parallel.make_mesh("data=3,fsdp=2,tensor=1"), "6", "8")
+    expect_raises(ValueError, lambda: parallel.make_mesh("data=-1,fsdp=3"), "divide")
+    expect_raises(ValueError, lambda: parallel.make_mesh("data=-1,fsdp=-1"), "at most one")
+    return "ok"
+
+
+@check
+def every_param_sharded():
+    mesh = parallel.make_mesh(MESHES["fsdp4_tensor2"])
+    out = []
+    for cfg in (M.LLAMA, M.QWEN3):
+        for head in ("lm", "score", "lm_value"):
+            model = Transformer(cfg, head)
+            sh = parallel.param_shardings(model, mesh)
+            shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+            assert jax.tree.structure(sh) == jax.tree.structure(shapes)
+            for s in jax.tree.leaves(sh):
+                assert isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh
+            out.append(len(jax.tree.leaves(sh)))
+    model = Transformer(M.LLAMA, "lm_value")
+    sh = parallel.param_shardings(model, mesh)
+    attn = sh["layers_0"]["self_attn"]
+    assert attn["q_proj"]["kernel"].spec == P("fsdp", "tensor", None), attn["q_proj"]["kernel"].spec
+    assert attn["q_proj"]["bias"].spec == P("tensor", None)
+    assert attn["o_proj"]["kernel"].spec == P("tensor", None, "fsdp")
+    assert sh["layers_0"]["mlp"]["down_proj"]["kernel"].spec == P("tensor", "fsdp")
+    assert sh["embed_tokens"]["embedding"].spec == P("tensor", "fsdp")
+    assert sh["lm_head"]["kernel"].spec == P("fsdp", "tensor")
+    assert sh["value_head"]["kernel"].spec == P("fsdp", None)
+    assert sh["norm"]["scale"].spec == P(None)
+    return f"params per model: {out}"
+
+
+@check
+def missing_rule_errors():
+    mesh = parallel.make_mesh(MESHES["fsdp4_tensor2"])
+    rules = tuple(r for r in parallel.DEFAULT_RULES if r[0] != "mlp")
+    msg = expect_raises(parallel.MissingRuleError,
+                        lambda: parallel.param_shardings(Transformer(M.LLAMA), mesh, rules),
+                        "param layers_0/mlp/down_proj/kernel", "'mlp'")
+    return msg
+
+
+@check
+def indivisible_errors():
+    mesh = parallel.make_mesh(MESHES["fsdp4_tensor2"])
+    cfg = M.LLAMA.replace(num_kv_heads=1)  # 1 kv head cannot split over tensor=2
+    expect_raises(parallel.IndivisibleError, lambda: parallel.param_shardings(Transformer(cfg), mesh),
+                  "layers_0/self_attn/k_proj/", "'kv_heads'", "size 1")
+    sh = parallel.param_shardings(Transformer(cfg), mesh, on_indivisible="replicate")
+    assert sh["layers_0"]["self_attn"]["k_proj"]["kernel"].spec == P("fsdp", None, None)
+    expect_raises(parallel.IndivisibleError, lambda: parallel.shard_batch({"x": np.zeros((6, 3))}, mesh),
+                  "batch leaf x", "size 6")
+    return "ok"
+
+
+@check
+def bytes_per_device():
+    out = []
+    for mesh_name in MESHES:
+        mesh = mesh_of(mesh_name)
+        params = sharded_params(mesh_name)
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+            parts = int(np.prod([mesh.shape[a] for ax in x.sharding.spec if ax
+                                 for a in ((ax,) if isinstance(ax, str) else ax)]))
+            assert len(x.addressable_shards) == 8
+            for shard in x.addressable_shards:
+                assert shard.data.nbytes * parts == x.nbytes, (path, shard.data.shape, x.shape, parts)
+        total = sum(x.nbytes for x in jax.tree.leaves(params))
+        per_dev = [0] * 8
+        expected = 0
+        for x in jax.tree.leaves(params):
+            for shard in x.addressable_shards:
+                per_dev[shard.device.id] += shard.data.nbytes
+            parts = int(np.prod([mesh.shape[a] for ax in x.sharding.spec if ax
+                                 for a in ((ax,) if isinstance(ax, str) else ax)]))
+            expected += x.nbytes // parts
+        assert per_dev == [expected] * 8, (per_dev, expected)
+        # the matrices (all but norms, biases and the 1-wide value head) split 8 (resp. 4) ways
+        k = params["layers_0"]["mlp"]["gate_proj"]["kernel"]
+        assert k.addressable_shards[0].data.nbytes == k.nbytes // (8 if mesh_name == "fsdp4_tensor2" else 4)
+        out.append(f"{mesh_name}: total {total} B, per device {max(per_dev)} B")
+    return "; ".join(out)
+
+
+@check
+def init_equals_unsharded():
+    got = sharded_params("fsdp4_tensor2")
+    assert got["lm_head"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    close(got, ref_params(), rtol=2e-7, atol=0, what="init_sharded")  # the sharded normal sampler may round differently
+    return "equal within 1 ulp"
+
+
+@check
+def forward_equals_unsharded():
+    model, params = MODEL, ref_params()
+    b = M.batch()
+    ref = jax.jit(lambda p, x, m: model.apply({"params": p}, x, m))(params, b["sequences"], b["attention_mask"])
+    worst = []
+    for spec, name in zip(MESHES.values(), MESHES):
+        mesh = mesh_of(name)
+        p_sh = parallel.param_shardings(model, mesh)
+        ps = jax.device_put(params, p_sh)
+        bs = parallel.shard_batch({"x": b["sequences"], "m": b["attention_mask"]}, mesh)
+        fwd = jax.jit(lambda p, x, m: model.apply({"params": p}, x, m), in_shardings=(
+            p_sh, bs["x"].sharding, bs["m"].sharding))
+        out = fwd(ps, bs["x"], bs["m"])
+        worst.append(close((out.logits, out.values), (ref.logits, ref.values), rtol=1e-4, atol=1e-5, what=spec))
+    return f"max |diff| {worst}"
+
+
+@cached
+def trained(mesh_name, steps=2):
+    """`(state, metrics)` after `steps` AdamW steps, single-device for mesh_name None."""
+    model, tx = MODEL, M.optimizer()
+    step = M.make_step(model, tx)
+    if mesh_name is None:
+        state = TrainState.create(jax.tree.map(jnp.copy, ref_params()), tx)  # the step donates
+        fn = jax.jit(step, donate_argnames=("state",))
+        place = lambda b: b
+    else:
+        mesh = mesh_of(mesh_name)
+        # params born sharded; the optimizer state is created from them and placed by path
+        params = jax.tree.map(jnp.copy, sharded_params(mesh_name))  # the step donates its state
+        state, sh = parallel.place_state(TrainState.create(params, tx),
+                                         parallel.param_shardings(model, mesh))
+        fn = parallel.jit_step(step, mesh=mesh, state_shardings=sh)
+        place = lambda b: parallel.shard_batch(b, mesh)
+    metrics = []
+    for i in range(steps):
+        state, m = fn(state, place(M.batch(i)), jax.random.key(i))
+        metrics.append(m)
+    return state, metrics
+
+
+@check
+def train_step_equals_unsharded():
+    out = []
+    ref_state, ref_metrics = trained(None)
+    for mesh_name in MESHES:
+        mesh = mesh_of(mesh_name)
+        state, metrics = trained(mesh_name)
+        # the optimizer moments live where their parameters do
+        p_spec = state.params["layers_0"]["mlp"]["up_proj"]["kernel"].sharding.spec
+        mu = state.opt_state[0].mu["layers_0"]["mlp"]["up_proj"]["kernel"]
+        assert mu.sharding.spec == p_spec, (mu.sharding.spec, p_spec)
+        assert state.opt_state[0].count.sharding.is_fully_replicated
+        assert p_spec == (P("fsdp", "tensor") if mesh.shape["tensor"] > 1 else P("fsdp", None)), p_spec
+        d = close(state.params, ref_state.params, rtol=1e-4, atol=1e-5, what=f"{mesh_name} params")
+        close(state.opt_state, ref_state.opt_state, rtol=1e-4, atol=1e-6, what=f"{mesh_name} opt")
+        close(metrics, ref_metrics, rtol=1e-4, atol=1e-5, what=f"{mesh_name} metrics (loss, grad norm)")
+        out.append(f"{mesh_name}: max |dparam| {d:.2e}, loss {float(metrics[-1]['loss']):.4f}")
+    return "; ".join(out)
+
+
+@check
+def sampler_greedy_equals_unsharded():
+    model = Transformer(M.QWEN3)
+    params = M.scale_params(init_params(model, jax.random.key(5)), 8.0)
+    ids, mask = M.prompts()
+    kw = dict(max_new_tokens=6, temperature=0.0, eos_id=None)
+    ref = generate(model, params, ids, mask, jax.random.key(0), **kw)
+    for spec in (MESHES["fsdp4_tensor2"],):  # kv heads over tensor, rows over fsdp
+        mesh = parallel.make_mesh(spec)
+        p_sh = parallel.param_shardings(model, mesh)
+        out = parallel.generate_sharded(model, jax.device_put(params, p_sh), ids, mask, jax.random.key(0),
+                                        mesh=mesh, params_shardings=p_sh, **kw)
+        np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(ref.response_ids), err_msg=spec)
+        close(out.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4, what=spec)
+        assert out.response_ids.sharding.spec == parallel.batch_spec(2, mesh, rows=8)
+    cache = [jnp.zeros((8, 2, 11, 8))] * 2
+    mesh = parallel.make_mesh(MESHES["fsdp4_tensor2"])
+    assert parallel.cache_shardings(cache, mesh)[0].spec == P("fsdp", "tensor", None, None)
+    one_kv = parallel.cache_shardings([jnp.zeros((8, 1, 11, 8))], mesh)[0].spec
+    assert one_kv == P("fsdp", None, None, None), one_kv
+    return f"tokens {np.asarray(ref.response_ids)[0].tolist()}"
+
+
+@check
+def checkpoint_restores_into_other_mesh():
+    model = MODEL
+    mesh_b = mesh_of("data2_fsdp4")
+    state, _ = trained("fsdp4_tensor2")  # saved under (fsdp=4, tensor=2), restored into (data=2, fsdp=4)
+    with tempfile.TemporaryDirectory() as d:
+        path = parallel.checkpoint.save(os.path.join(d, "ckpt"), state)
+        sh_b = parallel.state_shardings(jax.eval_shape(lambda: state), parallel.param_shardings(model, mesh_b))
+        restored = parallel.checkpoint.restore(path, parallel.checkpoint.abstract_state(state, sh_b))
+    close(restored, state, rtol=0, atol=0, what="restored")
+    k = restored.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    assert k.sharding.mesh == mesh_b and k.sharding.spec == P("fsdp", None, None), k.sharding
+    assert restored.opt_state[0].mu["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec == k.sharding.spec
+    return "ok"
+
+
+@check
+def hf_load_sharded_equals_whole():
+    out = []
+    for cfg in (M.LLAMA, M.QWEN3.replace(tie_word_embeddings=False)):
+        model, params = random_init(cfg, seed=7)
+        with tempfile.TemporaryDirectory() as d:
+            save_pretrained(model, params, d, overwrite=True, max_shard_bytes=40_000)  # several files
+            _, whole = load_pretrained(d)
+            for spec in MESHES.values():
+                mesh = parallel.make_mesh(spec)
+                m2, sharded = parallel.load_pretrained_sharded(d, mesh)
+                close(sharded, whole, rtol=0, atol=0, what=f"{cfg.model_type} {spec}")
+                want = parallel.param_shardings(m2, mesh)
+                for x, s in zip(jax.tree.leaves(sharded), jax.tree.leaves(want)):
+                    assert x.sharding == s, (x.sharding, s)
+        out.append(cfg.model_type)
+    return f"exact for {out}"
+
+
+def main():
+    out_path, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
+    results = {}
+    import time
+    for name in names:
+        t0 = time.time()
+        try:
+            results[name] = {"ok": True, "detail": str(CHECKS[name]())}
+        except Exception:  # reported to the parent test
+            results[name] = {"ok": False, "detail": traceback.format_exc()}
+        results[name]["seconds"] = round(time.time() - t0, 1)
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
