@@ -496,7 +496,7 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
     metrics = dict(reward.metrics(scores))
     metrics.update({"reward/mean": jnp.mean(total), "reward/std": jnp.std(total),
                     "response_length/mean": jnp.mean(lengths.astype(jnp.float32)),
-                    "response_length/max": jnp.max(lengths)})
+                    "response_length/max": jnp.max(lengths), "response_tokens": jnp.sum(lengths)})
     shaped = total
     if cfg.overlong_max_len is not None:
         penalty = overlong_penalty(lengths, max_len=cfg.overlong_max_len, cache_len=cfg.overlong_cache)
@@ -514,7 +514,7 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
     if cfg.dynamic_sampling:
         adv = jnp.where(jnp.repeat(sel.has_signal, g)[:, None], adv, 0.0)
     n = mask.shape[0]
-    zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1) if n % g == 0 else jnp.all(adv == 0, axis=1)
+    zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1)  # n = K·G always
     var = ops.masked_var(adv, mask)
     metrics.update({"advantage/mean": ops.masked_mean(adv, mask), "advantage/std": jnp.sqrt(var),
                     "zero_adv_group_fraction": jnp.mean(zero_group.astype(jnp.float32))})
