@@ -404,8 +404,9 @@ def init_state(
       `reward_params` overrides/gives them. ref_params: defaults to a copy of actor_params.
 
     The state holds `actor_params` / `critic_params` themselves (no copy): `make_iteration`
-    donates the state by default, after which those arrays are deleted. Pass copies (or
-    `donate=False`) if you keep using them.
+    donates the trained part of the state by default, after which those arrays are
+    deleted. Pass copies (or `donate=False`) if you keep using them. The reward params are
+    never donated.
     """
     _check_models(actor_model, critic_model, cfg)
     if reward is not None:
@@ -778,8 +779,9 @@ def make_iteration(
       to `init_state`). extras: a pytree of `[B, ...]` arrays handed to a response reward
       (repeated for the G samples of a prompt).
     lr_schedule: the actor's schedule, to report `lr`.
-    fused=True: rollout, scoring, GAE and all epochs are ONE jitted program (the state is
-      donated when `donate`). fused=False: three jitted phases, with host wall-clock times
+    fused=True: rollout, scoring, GAE and all epochs are ONE jitted program. With `donate`
+      the trained part of the state (actor, critic and their optimizer states) is donated;
+      the frozen reference and reward params are never donated nor copied. fused=False: three jitted phases, with host wall-clock times
       `time_rollout_s`, `time_scoring_s`, `time_update_s` and `tokens_per_s` in the
       metrics (the time split of SPEC §7).
 
@@ -806,11 +808,13 @@ def make_iteration(
         return state, {**m_roll, **m_upd, **lr, "finite": finite}
 
     if fused:
-        return jax.jit(fused_iteration, donate_argnames=("state",) if donate else ())
+        j_iteration = _jit_keeping_frozen(fused_iteration, donate)
+        return lambda state, prompt_ids, prompt_mask, rng, extras=None: j_iteration(
+            state, prompt_ids, prompt_mask, rng, extras)
 
     j_rollout = jax.jit(rollout)
     j_score = jax.jit(score)
-    j_train = jax.jit(train, donate_argnames=("state",) if donate else ())
+    j_train = _jit_keeping_frozen(train, donate)
 
     def timed_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
         key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
@@ -829,3 +833,24 @@ def make_iteration(
                        "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
 
     return timed_iteration
+
+
+def _jit_keeping_frozen(fn, donate: bool):
+    """`jax.jit(fn)` for `fn(state, *args) -> (state, *outputs)` that donates the trained
+    part of the state (actor, critic, controller, statistics) but neither takes ownership
+    of nor copies the frozen reference and reward-model parameters: they are passed as
+    separate, non-donated arguments and put back into the returned state."""
+
+    def inner(trainable, frozen, *args):
+        state = trainable.replace(ref_params=frozen[0], reward_params=frozen[1])
+        state, *rest = fn(state, *args)
+        return (state.replace(ref_params=None, reward_params=None), *rest)
+
+    jitted = jax.jit(inner, donate_argnums=(0,) if donate else ())
+
+    def call(state, *args):
+        frozen = (state.ref_params, state.reward_params)
+        state, *rest = jitted(state.replace(ref_params=None, reward_params=None), frozen, *args)
+        return (state.replace(ref_params=frozen[0], reward_params=frozen[1]), *rest)
+
+    return call

@@ -360,11 +360,16 @@ def test_shared_trunk_bf16_with_reward_model_and_adaptive_kl(params):
                         reward_whitening="running", reward_clip=3.0, num_ppo_epochs=2, num_minibatches=1,
                         num_microbatches=2, ent_coef=0.01)
     tx = common.make_optimizer(common.OptimConfig(lr=1e-2))[0]
-    state = ppo.init_state(cfg, model, params["shared"], tx, reward=(rm, params["rm"]))
-    it = ppo.make_iteration(model, None, rm, tx, None, cfg, donate=False)
+    own = jax.tree.map(jnp.copy, params["shared"])  # may be donated with the state below
+    state = ppo.init_state(cfg, model, own, tx, reward=(rm, params["rm"]))
+    # Three jitted phases with host timings (the fused program is covered by `separate_run`).
+    it = ppo.make_iteration(model, None, rm, tx, None, cfg, fused=False, donate=True)
     prompts, pmask = _prompts(8, seed=4)
     state, m1 = it(state, prompts, pmask, jax.random.key(2))
     state, m2 = it(state, prompts, pmask, jax.random.key(2))
+    assert all(float(m1[k]) > 0 for k in ("time_rollout_s", "time_scoring_s", "time_update_s", "tokens_per_s"))
+    # the trained part of the state is donated; the frozen reward params are not
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params["rm"]))
     for m in (m1, m2):
         assert bool(m["finite"]), {k: float(v) for k, v in m.items()}
     # step 0: policy == reference → KL 0 < target → β falls by the clipped error: 0.1·(1 − 0.2·8/20)
