@@ -136,6 +136,30 @@ def test_vocab_mismatch_is_a_clear_error(params):
         ppo.make_iteration(actor, None, rm.clone(config=big), None, None, cfg)
 
 
+def test_reward_forms():
+    from jaxrlhf import rewards
+
+    seq, attn, mask = _rollout_batch(2)
+    inp = ppo.RewardInputs(seq, attn, seq[:, P:], mask, {})
+    expected = target_fraction(seq[:, P:], mask, {})
+    for form in (target_fraction, ppo.response_reward(target_fraction), rewards.jax_reward(target_fraction)):
+        spec, rparams = ppo.as_reward(form)
+        out = spec.fn(rparams, inp)
+        out = out[0] if isinstance(out, tuple) else out
+        np.testing.assert_allclose(out, expected)
+    spec, _ = ppo.as_reward(rewards.combine([(2.0, rewards.jax_reward(target_fraction, name="t7"))]))
+    total, metrics = spec.fn(None, inp)
+    np.testing.assert_allclose(total, 2 * expected)
+    np.testing.assert_allclose(metrics["reward/t7"], expected.mean())
+    length = lambda sequences, attention_mask: jnp.sum(attention_mask, axis=1).astype(jnp.float32)
+    np.testing.assert_allclose(ppo.as_reward(length)[0].fn(None, inp), jnp.sum(attn, axis=1))
+    host = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), tokenizer=object())
+    with pytest.raises(TypeError, match="host"):
+        ppo.as_reward(host)
+    with pytest.raises(TypeError, match="cannot tell"):
+        ppo.as_reward(lambda x: x)
+
+
 def test_kl_controller_moves_beta_toward_target():
     cfg = kl_controller.KLControllerConfig(init_beta=0.1, target=6.0, horizon=100)
     st = kl_controller.init(cfg)
