@@ -296,3 +296,12 @@ def test_config_without_architectures_needs_head(ckpt):
         load_pretrained(ckpt)
     model, _ = load_pretrained(ckpt, head="lm")
     assert model.head == "lm"
+
+
+def test_load_with_shardings(hf_store):
+    path, _ = hf_store.get("qwen3")
+    _, params = load_pretrained(path)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    _, placed = load_pretrained(path, shardings=jax.tree.map(lambda _: sharding, params))
+    assert all(x.sharding == sharding for x in jax.tree.leaves(placed))
+    jax.tree.map(np.testing.assert_array_equal, placed, params)
