@@ -424,7 +424,8 @@ def save_pretrained(
     Head "lm" is saved as `<Family>ForCausalLM`, "score" as `<Family>ForSequenceClassification`
     with `num_labels=1`, and "lm_value" as the causal LM *without* its value head (HF has no
     such class; save the value head separately if you need it). Tensors keep the params'
-    dtype and are gathered to host memory one shard at a time (single-host). One `model.safetensors` if the tensors fit in `max_shard_bytes`, else shards
+    dtype and are gathered to host memory one shard at a time (single-host). One
+    `model.safetensors` if the tensors fit in `max_shard_bytes`, else shards
     `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
 
     The folder is written into a temporary sibling and renamed into place, so a crash

@@ -305,3 +305,21 @@ def test_load_with_shardings(hf_store):
     _, placed = load_pretrained(path, shardings=jax.tree.map(lambda _: sharding, params))
     assert all(x.sharding == sharding for x in jax.tree.leaves(placed))
     jax.tree.map(np.testing.assert_array_equal, placed, params)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_read_block_equals_slice_of_full_tensor(family):
+    """Per-device reads (`shardings=`) see exactly `from_hf(whole)[index]` for every tensor."""
+    from jaxrlhf.models.checkpoint import _head_tensors, _trunk_tensors
+
+    config = from_hf_config(hf_config(family))
+    rng = np.random.default_rng(0)
+    for t in _trunk_tensors(config)[:12] + _head_tensors(config, "lm_value"):
+        w = rng.standard_normal(t.hf_shape).astype(np.float32)
+        full = t.from_hf(w)
+        for _ in range(3):
+            index = []
+            for n in t.shape:
+                a, b = sorted(rng.integers(0, n + 1, 2))
+                index.append(slice(int(a), int(b) + (a == b and b < n)))
+            np.testing.assert_array_equal(t.read_block(w, tuple(index)), full[tuple(index)], err_msg=t.hf_name)
