@@ -1,0 +1,291 @@
+"""DPO step benchmark: jaxrlhf vs TRL's DPOTrainer (and a hand-written PyTorch step).
+
+The reference workload's tiny Llama (../shared/WORKLOAD.md: vocab 512, hidden 256,
+intermediate 688, 4 layers, 4/2 heads, head_dim 64, float32), random init with
+`torch.manual_seed(0)`, saved with `save_pretrained` and read by every side, so all start
+from identical weights (the first loss is then ln 2 = 0.6931 everywhere: policy = reference).
+
+Data: 16 pairs; prompts = rows 0-15 of `prompts` in workload_prompts.json (32 tokens), chosen
+and rejected = 63 tokens from `numpy.random.default_rng(0)` in [4, 512) plus EOS (64 response
+tokens, no padding). DPO sigmoid loss, beta 0.1; reference log-probs precomputed once (not
+timed per step); AdamW lr 1e-5, betas (0.9, 0.999), eps 1e-8, weight decay 0, no clipping,
+constant learning rate. One step = forward of chosen + rejected (32 rows of 96 tokens) +
+backward + optimizer update.
+
+Each side runs in its own subprocess, so that peak RSS (`ru_maxrss`) is that framework's:
+  jax    jaxrlhf.algorithms.dpo, `jax.jit(step, donate_argnums=0)`; compile time = lower+compile
+  trl    trl.DPOTrainer(precompute_ref_log_probs=True), seconds between optimizer steps
+         (a TrainerCallback), torch.set_num_threads(2), bf16 off
+  torch  the same DPO step written by hand in PyTorch (transformers LlamaForCausalLM)
+
+    python benchmarks/bench_dpo.py --out /tmp/bench_dpo.json      # warm-up 3, 8 timed steps
+    python benchmarks/bench_dpo.py --quick                        # smoke run, not a result
+
+Each result records `cpu_watch.others_cores` (CPU used by other processes during the timed
+loop); `contended: true` marks a figure that is not valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import CpuWatch, hf_llama, load_workload, peak_rss_mib, write_json  # noqa: E402
+
+B, P, T = 16, 32, 64
+BETA, LR = 0.1, 1e-5
+EOS = 2
+
+
+def make_data(workload: dict) -> dict[str, np.ndarray]:
+    prompts = np.asarray(workload["prompts"][:B], np.int32)
+    assert prompts.shape == (B, P), prompts.shape
+    rng = np.random.default_rng(0)
+    eos = np.full((B, 1), EOS, np.int32)
+    chosen = np.concatenate([rng.integers(4, 512, (B, T - 1)).astype(np.int32), eos], axis=1)
+    rejected = np.concatenate([rng.integers(4, 512, (B, T - 1)).astype(np.int32), eos], axis=1)
+    return dict(prompt_ids=prompts, chosen_ids=chosen, rejected_ids=rejected)
+
+
+def _stats(times: list[float]) -> dict:
+    s = sorted(times)
+    return dict(min_s=s[0], median_s=float(np.median(s)), max_s=s[-1], runs=len(s))
+
+
+# --------------------------------------------------------------------------- jaxrlhf
+
+
+def run_jax(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
+    import jax
+
+    from jaxrlhf.algorithms import common, dpo
+    from jaxrlhf.models import load_pretrained
+
+    t0 = time.perf_counter()
+    model, params = load_pretrained(ckpt)
+    pairs = dict(prompt_ids=d["prompt_ids"], prompt_mask=np.ones((B, P), bool),
+                 chosen_ids=d["chosen_ids"], chosen_mask=np.ones((B, T), bool),
+                 rejected_ids=d["rejected_ids"], rejected_mask=np.ones((B, T), bool))
+    t_ref = time.perf_counter()
+    pairs = dpo.precompute_reference_logprobs(model, params, pairs, batch_size=B)
+    ref_s = time.perf_counter() - t_ref
+    batch = {k: jax.device_put(v) for k, v in pairs.items()}
+    tx, _ = common.make_optimizer(common.OptimConfig(lr=LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                                                     max_grad_norm=None))
+    state = dpo.init_state(params, tx)
+    rng = jax.random.key(0)
+    t_c = time.perf_counter()
+    step = dpo.jit_train_step(model, tx, dpo.DPOConfig(beta=BETA)).lower(state, batch, rng).compile()
+    compile_s = time.perf_counter() - t_c
+    losses, times = [], []
+    for _ in range(warmup):
+        state, m = step(state, batch, rng)
+        losses.append(float(m["loss"]))
+    with CpuWatch() as watch:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            state, m = step(state, batch, rng)
+            jax.block_until_ready(m["loss"])
+            times.append(time.perf_counter() - start)
+            losses.append(float(m["loss"]))
+    return dict(stats=_stats(times), step_times=times, compile_s=compile_s, ref_precompute_s=ref_s,
+                setup_s=t_c - t0, first_loss=losses[0], last_loss=losses[-1], peak_rss_mib=peak_rss_mib(),
+                cpu_watch=watch.result(), note="jax.jit(make_train_step(...), donate_argnums=0), AOT-compiled")
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def run_trl(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    torch.set_num_threads(2)
+    model = transformers.LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    tokenizer = _word_tokenizer()
+
+    def text(ids):
+        return " ".join("<eos>" if int(t) == EOS else f"t{int(t)}" for t in ids)
+
+    rows = dict(prompt=[text(p) for p in d["prompt_ids"]],
+                chosen=[" " + text(c) for c in d["chosen_ids"]],
+                rejected=[" " + text(r) for r in d["rejected_ids"]])
+    ids = tokenizer(rows["prompt"][0] + rows["chosen"][0])["input_ids"]
+    assert ids == [*d["prompt_ids"][0].tolist(), *d["chosen_ids"][0].tolist()], "tokenizer round trip"
+    dataset = datasets.Dataset.from_dict(rows)
+
+    step_ends: list[float] = []
+    losses: list[float] = []
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if not step_ends:
+                step_ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            step_ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    total = warmup + repeats
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = trl.DPOConfig(
+            output_dir=out_dir, per_device_train_batch_size=B, gradient_accumulation_steps=1,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0, optim="adamw_torch",
+            beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=None,
+            bf16=False, use_cpu=True, max_steps=total, logging_steps=1, save_strategy="no", report_to="none",
+            seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        t0 = time.perf_counter()
+        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=[StepTimer()])
+        init_s = time.perf_counter() - t0  # includes tokenisation and the reference precompute
+        with CpuWatch() as watch:  # brackets all of train(): warm-up steps included
+            trainer.train()
+    deltas = np.diff(step_ends).tolist()
+    timed_steps = deltas[warmup:]
+    return dict(stats=_stats(timed_steps), step_times=timed_steps, init_s=init_s,
+                first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+                peak_rss_mib=peak_rss_mib(), cpu_watch=watch.result(), trl_version=trl.__version__, torch_version=torch.__version__,
+                note="trl.DPOTrainer, precompute_ref_log_probs=True; seconds between consecutive optimizer "
+                     "steps (on_step_end), so dataloading/collation and logging are included")
+
+
+# --------------------------------------------------------------------------- hand-written PyTorch
+
+
+def run_torch(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    model = transformers.LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    prompt = torch.as_tensor(d["prompt_ids"], dtype=torch.long)
+    responses = torch.cat([torch.as_tensor(d["chosen_ids"]), torch.as_tensor(d["rejected_ids"])]).long()
+    seq = torch.cat([prompt.repeat(2, 1), responses], dim=1)  # [2B, P + T], no padding
+
+    def seq_logp(m):
+        logits = m(input_ids=seq).logits[:, P - 1:-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, seq[:, P:, None])[..., 0].sum(-1)
+
+    with torch.no_grad():
+        model.eval()
+        ref = seq_logp(model)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    losses, times = [], []
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        lp = seq_logp(model)
+        z = BETA * ((lp[:B] - ref[:B]) - (lp[B:] - ref[B:]))
+        loss = -torch.nn.functional.logsigmoid(z).mean()
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    for _ in range(warmup):
+        losses.append(step())
+    with CpuWatch() as watch:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - start)
+    return dict(stats=_stats(times), step_times=times, first_loss=losses[0], last_loss=losses[-1],
+                peak_rss_mib=peak_rss_mib(), cpu_watch=watch.result(), torch_version=torch.__version__,
+                note="hand-written: one forward of 2B rows, reference precomputed, sigmoid loss, AdamW")
+
+
+# --------------------------------------------------------------------------- main
+
+WORKERS = {"jax": run_jax, "trl": run_trl, "torch": run_torch}
+
+
+def _markdown(r: dict) -> str:
+    lines = ["| implementation | s/step min | median | max | runs | first-call compile s | peak RSS MiB | "
+             "first loss | others' cores |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, res in r["results"].items():
+        if "error" in res:
+            lines.append(f"| {name} | failed: {res['error'][:80]} | | | | | | | |")
+            continue
+        s = res["stats"]
+        compile_s = f"{res['compile_s']:.2f}" if "compile_s" in res else "-"
+        others = res.get("cpu_watch", {}).get("others_cores", "-")
+        lines.append(f"| {name} | {s['min_s']:.4f} | {s['median_s']:.4f} | {s['max_s']:.4f} | {s['runs']} | "
+                     f"{compile_s} | {res['peak_rss_mib']:.0f} | {res['first_loss']:.4f} | {others} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps (a smoke run, not a result)")
+    ap.add_argument("--framework", choices=("all", *WORKERS), default="all")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats = 1, 3
+    d = make_data(load_workload(args.prompts))
+
+    if args.worker:  # child process: one framework, one JSON line on stdout
+        print("RESULT " + json.dumps(WORKERS[args.worker](args.ckpt, d, args.warmup, args.repeats)), flush=True)
+        return
+
+    names = list(WORKERS) if args.framework == "all" else [args.framework]
+    t_start = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory() as ckpt:
+        hf_llama(seed=0).save_pretrained(ckpt, safe_serialization=True)
+        for name in names:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--ckpt", ckpt,
+                   "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+            if args.prompts:
+                cmd += ["--prompts", args.prompts]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not line:
+                results[name] = dict(error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
+                print(f"[{name}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            else:
+                results[name] = json.loads(line[0][len("RESULT "):])
+    contended = any(r.get("cpu_watch", {}).get("contended", False) for r in results.values())
+    report = dict(workload=dict(pairs=B, prompt_len=P, response_len=T, beta=BETA, lr=LR, dtype="float32"),
+                  warmup=args.warmup, repeats=args.repeats, quick=args.quick, results=results,
+                  contended=contended, loadavg=os.getloadavg(), total_s=time.perf_counter() - t_start)
+    print(_markdown(report))
+    if contended:
+        print("\nNOTE: other processes used CPU during the timed loops (contended: true): not a valid result.")
+    path = write_json(args.out, "bench_dpo.json", report)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
