@@ -1,7 +1,8 @@
 """Token log-probabilities and entropies from logits (SPEC §2).
 
-For a large vocabulary the `[B, T, V]` logits dominate memory, so neither function builds
-a float32 log-softmax: a log-prob is the gathered logit minus a logsumexp.
+For a large vocabulary the `[B, T, V]` logits dominate memory, so neither function may
+materialise a float32 `[B, T, V]` array in its forward pass: a log-prob is the gathered
+logit minus a logsumexp, and the entropy is written in the one form XLA fuses whole.
 
 What XLA:CPU (jax 0.10) keeps is subtle; measured with `compile().memory_analysis()` at
 B=8, T=512, V=151,936, where one float32 copy of the logits is 2374 MiB
@@ -15,9 +16,9 @@ B=8, T=512, V=151,936, where one float32 copy of the logits is 2374 MiB
   `_time_slice`): exact, and bf16 stays bf16.
 
 With both, `token_logprobs` holds no temporary beyond `[B, T]` (float32 or bf16 logits,
-no chunking needed). The entropy reads `exp(x − lse)` twice, which XLA does not fuse, so
-it runs over chunks of positions: 589 MiB instead of 4748 MiB of temporaries for float32
-logits, 1776 MiB (1187 of them the bf16 bit view) instead of 4748 MiB for bf16.
+no chunking needed). The entropy's plain `softmax · log_softmax` form is fused whole in
+the forward pass; its backward pass is not, so `entropy` can run over chunks of positions
+(`chunk_size`) to bound the backward's float32 temporaries.
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrlhf.ops import _checks
-
-# Float32 elements one entropy chunk may hold: 2**26 × 4 bytes = 256 MiB, i.e. 55
-# positions at B = 8, V = 151,936, and no chunking at all for small vocabularies.
-_CHUNK_ELEMENTS = 2**26
-
 
 def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
@@ -157,15 +153,18 @@ def entropy(
 ) -> jax.Array:
     """Entropy of `p = softmax(logits / τ)` at every position.
 
-        H[b, t] = −Σ_v p_v log p_v = lse − Σ_v p_v x_v,   x = logits[b, t] / τ, lse = logsumexp(x)
+        H[b, t] = −Σ_v p_v log p_v
 
     Entries with `p_v = 0` (e.g. logits of −inf) contribute 0, not NaN.
 
     Args:
       logits: `[B, T, V]` response-aligned logits, any float dtype (float32 math).
       temperature: `τ > 0`, the sampling temperature (SPEC §2).
-      chunk_size: response positions processed at once (`B × chunk_size × V` logits);
-        `None` picks the largest chunk whose float32 copy stays within 256 MiB.
+      chunk_size: response positions processed at once. `None` (all at once) is what
+        XLA fuses with no float32 temporary in the forward pass; but the backward pass
+        then holds two float32 `[B, T, V]` arrays, which a chunk size bounds (at
+        B=8, T=512, V=151,936: 4748 MiB unchunked, 1187 MiB with 64, at the price of
+        594 MiB in the forward pass).
 
     Returns:
       `[B, T]` float32 entropies (nats).
@@ -175,17 +174,17 @@ def entropy(
     b, t, v = logits.shape
     _checks.positive(fn, "temperature", temperature)
     if chunk_size is None:
-        chunk_size = max(1, _CHUNK_ELEMENTS // (b * v))
+        chunk_size = t
     elif not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{fn}: `chunk_size` must be a positive int or None, got {chunk_size!r}")
     inv_tau = 1.0 / jnp.asarray(temperature, jnp.float32)
 
     def chunk_entropy(logits_BxCxV):
-        lse = _logsumexp_f32(logits_BxCxV, inv_tau)[..., None]
-        x = lax.optimization_barrier(logits_BxCxV).astype(jnp.float32) * inv_tau
-        p = jnp.exp(x - lse)
-        # Double `where`: a −inf logit must not reach the product, nor its gradient.
-        return lse[..., 0] - jnp.sum(p * jnp.where(p > 0, x, 0.0), axis=-1)
+        # The plain softmax·log_softmax form is the one XLA fuses completely (no float32
+        # temporary). A −inf logit is clamped to −1e30 first, so that p·log p is 0·finite
+        # (0), not 0·(−inf) (NaN); the clamp keeps p = 0 for it.
+        x = jnp.maximum(logits_BxCxV.astype(jnp.float32) * inv_tau, -1e30)
+        return -jnp.sum(jax.nn.softmax(x, axis=-1) * jax.nn.log_softmax(x, axis=-1), axis=-1)
 
     return _map_time_chunks(chunk_entropy, logits, chunk_size)
 
