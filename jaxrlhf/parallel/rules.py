@@ -263,38 +263,40 @@ def _path_keys(path) -> tuple[str, ...]:
     return tuple(_key_str(k) for k in path)
 
 
-def match_shardings(tree_shape: PyTree, params_shardings: PyTree, mesh: Mesh | None = None) -> PyTree:
-    """Shardings for any pytree whose array leaves mirror the params (a `TrainState`, optax
-    states: `mu`, `nu`, EMA copies, ...).
-
-    A leaf whose path ends with a parameter's full path and has that parameter's shape takes
-    its sharding (the longest such path wins); every other leaf (step counters, scalars,
-    schedules' state) is replicated. A non-scalar leaf that matches no parameter is
-    replicated too, with a warning.
-    """
+def _matcher(params_shardings: PyTree, mesh: Mesh | None):
+    """`pick(path, leaf) -> sharding` by longest parameter-path suffix (see match_shardings)."""
     flat_params = jax.tree_util.tree_flatten_with_path(params_shardings)[0]
     if not flat_params:
         raise ValueError("params_shardings is empty")
     by_path = {_path_keys(p): s for p, s in flat_params}
-    if mesh is None:
-        mesh = flat_params[0][1].mesh
+    mesh = mesh if mesh is not None else flat_params[0][1].mesh
     repl = NamedSharding(mesh, P())
     max_len = max(len(p) for p in by_path)
 
     def pick(path, leaf):
         keys = _path_keys(path)
-        shape = tuple(getattr(leaf, "shape", ()))
+        shape = tuple(np.shape(leaf))
         for k in range(min(len(keys), max_len), 0, -1):
             s = by_path.get(keys[-k:])
-            if s is not None:
-                spec = s.spec
-                if len(spec) <= len(shape) and _spec_fits(spec, shape, s.mesh):
-                    return s
+            if s is not None and _spec_fits(s.spec, shape, s.mesh):
+                return s
         if len(shape) > 0:
             logger.warning("state leaf %s %s matches no parameter; replicating it", _path_str(path), shape)
         return repl
 
-    return jax.tree_util.tree_map_with_path(pick, tree_shape)
+    return pick
+
+
+def match_shardings(tree_shape: PyTree, params_shardings: PyTree, mesh: Mesh | None = None) -> PyTree:
+    """Shardings for any pytree whose array leaves mirror the params (a `TrainState`, optax
+    states: `mu`, `nu`, EMA copies, ...).
+
+    A leaf whose path ends with a parameter's full path (and whose shape that parameter's
+    spec divides) takes its sharding, the longest such path winning; every other leaf
+    (step counters, scalars, schedule state) is replicated. A non-scalar leaf that matches
+    no parameter is replicated too, with a warning.
+    """
+    return jax.tree_util.tree_map_with_path(_matcher(params_shardings, mesh), tree_shape)
 
 
 def _spec_fits(spec: P, shape, mesh: Mesh) -> bool:
@@ -322,11 +324,38 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params_shardings
     return match_shardings(opt_shape, params_shardings)
 
 
-def state_shardings(state_shape: PyTree, params_shardings: PyTree) -> PyTree:
-    """Shardings of a whole train state (params, optimizer state, step) by path matching."""
+def _unwrap(params_shardings):
     if all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None for x in jax.tree.leaves(params_shardings)):
-        params_shardings = jax.tree.map(lambda x: x.sharding, params_shardings)
-    return match_shardings(state_shape, params_shardings)
+        return jax.tree.map(lambda x: x.sharding, params_shardings)
+    return params_shardings
+
+
+def state_shardings(state_shape: PyTree, params_shardings: PyTree = None, *,
+                    roles: Mapping[str, PyTree] | None = None, mesh: Mesh | None = None) -> PyTree:
+    """Shardings of a whole train state (params, optimizer state, step) by path matching.
+
+    One model: `state_shardings(state_shape, params_shardings)`. Several roles whose params
+    share paths but not shardings (an actor and a critic under different rules): `roles`
+    maps the state's top-level field or key to that role's params shardings, e.g.
+    `roles={"actor": actor_sh, "critic": critic_sh, "ref_params": actor_sh}`; fields not
+    named (counters, controller state) are replicated, and `params_shardings`, if given,
+    serves every field that `roles` does not name.
+    """
+    if roles is None:
+        if params_shardings is None:
+            raise ValueError("give params_shardings or roles")
+        return match_shardings(state_shape, _unwrap(params_shardings), mesh)
+    pickers = {k: _matcher(_unwrap(v), mesh) for k, v in roles.items()}
+    if mesh is None:
+        mesh = jax.tree.leaves(_unwrap(next(iter(roles.values()))))[0].mesh
+    default = None if params_shardings is None else _matcher(_unwrap(params_shardings), mesh)
+    repl = NamedSharding(mesh, P())
+
+    def pick(path, leaf):
+        fn = pickers.get(_key_str(path[0]), default) if path else default
+        return repl if fn is None else fn(path, leaf)
+
+    return jax.tree_util.tree_map_with_path(pick, state_shape)
 
 
 def init_train_state_sharded(model: Transformer, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,
@@ -341,9 +370,10 @@ def init_train_state_sharded(model: Transformer, tx: optax.GradientTransformatio
     return jax.jit(make, out_shardings=sh)(rng), sh
 
 
-def place_state(state: PyTree, params_shardings: PyTree):
-    """`(state, shardings)`: an existing (e.g. host-built) state moved onto its shardings."""
-    sh = state_shardings(jax.eval_shape(lambda: state), params_shardings)
+def place_state(state: PyTree, params_shardings: PyTree = None, *, roles: Mapping[str, PyTree] | None = None):
+    """`(state, shardings)`: an existing (e.g. host-built) state moved onto its shardings
+    (`state_shardings` with the same arguments)."""
+    sh = state_shardings(jax.eval_shape(lambda: state), params_shardings, roles=roles)
     return jax.device_put(state, sh), sh
 
 

@@ -7,14 +7,14 @@ this process); each test below asserts one check's result.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runner import run_checks  # noqa: E402
+
 CHECKS = [
     "mesh_shapes", "every_param_sharded", "missing_rule_errors", "indivisible_errors", "bytes_per_device",
     "init_equals_unsharded", "forward_equals_unsharded", "train_step_equals_unsharded",
@@ -24,13 +24,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding") / "results.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_check_8dev.py"), str(out), *CHECKS],
-                          env=env, capture_output=True, text=True, timeout=900)
-    if not out.exists():
-        pytest.fail(f"the 8-device check process died (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_checks(CHECKS, tmp_path_factory.mktemp("sharding"))
 
 
 @pytest.mark.parametrize("name", CHECKS)

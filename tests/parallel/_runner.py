@@ -1,0 +1,23 @@
+"""Runs `_check_8dev.py` in a fresh process (8 CPU devices there, never here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_checks(names, out_dir) -> dict:
+    """Run `_check_8dev.py` on `names` in a fresh process; `{name: {"ok", "detail"}}`."""
+    out = out_dir / "results.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_check_8dev.py"), str(out), *names],
+                          env=env, capture_output=True, text=True, timeout=900)
+    if not out.exists():
+        pytest.fail(f"the 8-device check process died (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
