@@ -1,0 +1,273 @@
+"""One-accelerator benchmark: train-step MFU and decode throughput against the roofline.
+
+A Llama-shaped model with random weights (default ~0.89B parameters: hidden 2048, 16
+layers, 16 query / 8 kv heads of 128, MLP 5632, vocab 32000, untied head) is measured on
+one device:
+
+1. **Peak compute**: a large bf16 matmul (`8192³` by default) timed in the same run;
+   `TFLOP/s = 2·n³ / t`. MFU is reported against this measured peak and, when the device
+   is known, against its nominal dense bf16 peak.
+2. **Train step** (bf16 compute, float32 master params, AdamW, next-token cross-entropy,
+   one jitted step with the state donated). Model FLOPs per step
+   `= 6·N·tokens + 12·layers·heads·head_dim·L·tokens`, with `N` the parameters that take
+   part in matmuls (all but the embedding table and the norms) and the second term the
+   attention score / value matmuls over the full `L×L` square (the kernel computes the
+   masked square; PaLM's convention). `MFU = model FLOPs / step time / peak`.
+3. **Decode** with `jaxrlhf.rollout.generate` (greedy, bf16 params, static KV cache of
+   `P+T` slots): per-step time from the difference between `T` and 1 new tokens, so the
+   prefill cancels. Each step must read all weights and the whole KV cache (`[B, K, S, H]`
+   for k and v in every layer; the kernel reads all `S` slots); the roofline time is those
+   bytes over the device copy bandwidth measured in the same run (`2·bytes / t` of a
+   large `x + 1` copy: one read, one write). Reported: tokens/s, roofline tokens/s, and
+   their ratio.
+
+Writes `<out>/bench_gpu.json` and `<out>/bench_gpu.md`.
+
+    benchmarks/gpu.sh                       # on a GPU machine, ~5-8 minutes
+    python benchmarks/bench_gpu.py --tiny   # a seconds-long smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from jaxrlhf.algorithms.common import TrainState  # noqa: E402
+from jaxrlhf.models.config import ModelConfig  # noqa: E402
+from jaxrlhf.models.transformer import Transformer, init_params  # noqa: E402
+from jaxrlhf.rollout.sampler import generate  # noqa: E402
+
+# Nominal dense bf16 peaks (TFLOP/s) and HBM bandwidths (GB/s), by device_kind substring.
+NOMINAL = {
+    "H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L4": (121.0, 300.0),
+    "TPU v5p": (459.0, 2765.0), "TPU v5 lite": (197.0, 819.0), "TPU v5e": (197.0, 819.0),
+    "TPU v4": (275.0, 1228.0), "TPU v6": (918.0, 1640.0),
+}
+
+
+@dataclasses.dataclass
+class Setup:
+    model: ModelConfig
+    train_batch: int
+    train_len: int
+    train_steps: int
+    decode_batch: int
+    prompt_len: int
+    decode_tokens: int
+    matmul_n: int
+    copy_mb: int
+    repeats: int
+
+
+def setups(tiny: bool) -> Setup:
+    if tiny:
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                          dtype="bfloat16", param_dtype="float32")
+        return Setup(cfg, train_batch=2, train_len=32, train_steps=2, decode_batch=2, prompt_len=8,
+                     decode_tokens=8, matmul_n=256, copy_mb=8, repeats=2)
+    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16,
+                      num_kv_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=500000.0,
+                      dtype="bfloat16", param_dtype="float32")
+    return Setup(cfg, train_batch=8, train_len=1024, train_steps=10, decode_batch=32, prompt_len=128,
+                 decode_tokens=257, matmul_n=8192, copy_mb=2048, repeats=20)
+
+
+def timed(fn, *args, repeats: int):
+    """Median wall seconds of `fn(*args)` after one warm-up call (compilation)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_peak(n: int, repeats: int) -> dict:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    # several matmuls per call so that dispatch overhead is negligible
+    chain = jax.jit(lambda a, b: functools.reduce(lambda x, _: (x @ b) * 0.01, range(8), a))
+    t = timed(chain, a, b, repeats=repeats) / 8
+    return {"matmul_n": n, "seconds": t, "tflops": 2 * n**3 / t / 1e12}
+
+
+def measure_bandwidth(mb: int, repeats: int) -> dict:
+    x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x + 1.0)
+    t = timed(copy, x, repeats=repeats)
+    return {"bytes": 2 * x.nbytes, "seconds": t, "gb_per_s": 2 * x.nbytes / t / 1e9}
+
+
+def matmul_params(cfg: ModelConfig, params) -> int:
+    n = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if "embed_tokens" in name or name.endswith("scale") or name.endswith("bias"):
+            continue
+        n += int(np.prod(x.shape))
+    if cfg.tie_word_embeddings:  # the embedding doubles as the LM head matmul
+        n += cfg.vocab_size * cfg.hidden_size
+    return n
+
+
+def bench_train(s: Setup, peak_tflops: float) -> dict:
+    cfg = s.model
+    model = Transformer(cfg)
+    tx = optax.adamw(1e-5, b1=0.9, b2=0.95, weight_decay=0.1)
+    params = jax.jit(lambda r: init_params(model, r, seq_len=2))(jax.random.key(0))
+    state = TrainState.create(params, tx)
+
+    def loss_fn(p, ids):
+        logits = model.apply({"params": p}, ids).logits[:, :-1].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    @functools.partial(jax.jit, donate_argnames=("state",))
+    def step(state, ids):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, ids)
+        return state.apply_gradients(grads, tx), loss
+
+    ids = jax.random.randint(jax.random.key(1), (s.train_batch, s.train_len), 0, cfg.vocab_size)
+    t0 = time.perf_counter()
+    state, loss = step(state, ids)
+    loss0 = float(loss)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(s.train_steps):
+        t0 = time.perf_counter()
+        state, loss = step(state, ids)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    t = float(np.median(times))
+    tokens = s.train_batch * s.train_len
+    n_mm = matmul_params(cfg, params)
+    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s.train_len * tokens
+    flops = 6 * n_mm * tokens + attn
+    return {
+        "params": int(sum(x.size for x in jax.tree.leaves(params))), "matmul_params": n_mm,
+        "batch": s.train_batch, "seq_len": s.train_len, "tokens_per_step": tokens,
+        "first_loss": loss0, "last_loss": float(loss), "compile_and_first_step_s": compile_s,
+        "step_s": t, "tokens_per_s": tokens / t, "model_flops_per_step": flops,
+        "attention_flops_share": attn / flops, "achieved_tflops": flops / t / 1e12,
+        "mfu_vs_measured_peak": flops / t / 1e12 / peak_tflops,
+    }
+
+
+def bench_decode(s: Setup, bw_gbs: float) -> dict:
+    cfg = s.model.replace(param_dtype="bfloat16")
+    model = Transformer(cfg)
+    params = jax.jit(lambda r: init_params(model, r, seq_len=2))(jax.random.key(0))
+    r = np.random.default_rng(0)
+    prompts = jnp.asarray(r.integers(3, cfg.vocab_size, (s.decode_batch, s.prompt_len)), jnp.int32)
+    mask = jnp.ones_like(prompts, dtype=bool)
+    run = lambda t: generate(model, params, prompts, mask, jax.random.key(0), max_new_tokens=t,
+                             temperature=0.0, eos_id=None, max_len=s.prompt_len + s.decode_tokens)
+    t_full = timed(run, s.decode_tokens, repeats=max(2, s.repeats // 5))
+    t_one = timed(run, 1, repeats=max(2, s.repeats // 5))
+    steps = s.decode_tokens - 1
+    per_step = max(t_full - t_one, 1e-12) / steps
+    weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(params)))
+    slots = s.prompt_len + s.decode_tokens
+    kv_bytes = 2 * cfg.num_layers * s.decode_batch * cfg.num_kv_heads * slots * cfg.head_dim * 2  # bf16
+    roofline_s = (weight_bytes + kv_bytes) / (bw_gbs * 1e9)
+    return {
+        "batch": s.decode_batch, "prompt_len": s.prompt_len, "new_tokens": s.decode_tokens,
+        "generate_s": t_full, "prefill_plus_one_s": t_one, "decode_step_s": per_step,
+        "tokens_per_s": s.decode_batch / per_step, "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
+        "roofline_step_s": roofline_s, "roofline_tokens_per_s": s.decode_batch / roofline_s,
+        "fraction_of_roofline": roofline_s / per_step,
+    }
+
+
+def to_markdown(res: dict) -> str:
+    d, tr, de, pk, bw = res["device"], res["train"], res["decode"], res["peak"], res["bandwidth"]
+    nominal = res.get("nominal") or {}
+    lines = [
+        f"# jaxrlhf on one {d['kind']} ({d['platform']})", "",
+        f"jax {res['jax']}, model {tr['params'] / 1e9:.4g}B params (random weights), "
+        f"{res['wall_s']:.0f} s wall for the whole run.", "",
+        "| measurement | value |", "|---|---|",
+        f"| bf16 matmul peak (measured, n={pk['matmul_n']}) | {pk['tflops']:.4g} TFLOP/s |",
+        f"| copy bandwidth (measured) | {bw['gb_per_s']:.4g} GB/s |",
+    ]
+    if nominal:
+        lines += [f"| nominal peak / bandwidth | {nominal['tflops']:.0f} TFLOP/s / {nominal['gb_per_s']:.0f} GB/s |"]
+    lines += [
+        f"| train step ({tr['batch']}×{tr['seq_len']} tokens, AdamW) | {tr['step_s'] * 1e3:.1f} ms, "
+        f"{tr['tokens_per_s']:.0f} tokens/s |",
+        f"| model FLOPs / step (6·N·tokens + attention) | {tr['model_flops_per_step'] / 1e12:.4g} TFLOP "
+        f"(attention {100 * tr['attention_flops_share']:.1f}%) |",
+        f"| **MFU** vs measured peak | **{100 * tr['mfu_vs_measured_peak']:.1f}%** |",
+    ]
+    if "mfu_vs_nominal_peak" in tr:
+        lines += [f"| MFU vs nominal peak | {100 * tr['mfu_vs_nominal_peak']:.1f}% |"]
+    lines += [
+        f"| decode (batch {de['batch']}, prompt {de['prompt_len']}, {de['new_tokens']} new) | "
+        f"{de['decode_step_s'] * 1e3:.2f} ms/step, {de['tokens_per_s']:.0f} tokens/s |",
+        f"| decode roofline (weights {de['weight_bytes'] / 1e9:.2f} GB + KV {de['kv_cache_bytes'] / 1e9:.2f} GB "
+        f"per step) | {de['roofline_step_s'] * 1e3:.2f} ms/step, {de['roofline_tokens_per_s']:.0f} tokens/s |",
+        f"| **decode fraction of roofline** | **{100 * de['fraction_of_roofline']:.1f}%** |", "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke run that works on CPU")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu"))
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    s = setups(args.tiny)
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", str(dev))
+    res = {"jax": jax.__version__, "host": platform.node(), "tiny": args.tiny,
+           "device": {"kind": kind, "platform": dev.platform, "count": jax.device_count()},
+           "model": dataclasses.asdict(s.model)}
+    nominal = next(((k, v) for k, v in NOMINAL.items() if k.lower() in kind.lower()), None)
+    if nominal:
+        res["nominal"] = {"match": nominal[0], "tflops": nominal[1][0], "gb_per_s": nominal[1][1]}
+    print(f"device: {kind} ({dev.platform}) x{jax.device_count()}", flush=True)
+    res["peak"] = measure_peak(s.matmul_n, s.repeats)
+    print(f"peak bf16 matmul: {res['peak']['tflops']:.4g} TFLOP/s", flush=True)
+    res["bandwidth"] = measure_bandwidth(s.copy_mb, s.repeats)
+    print(f"copy bandwidth: {res['bandwidth']['gb_per_s']:.0f} GB/s", flush=True)
+    if not args.skip_train:
+        res["train"] = bench_train(s, res["peak"]["tflops"])
+        if nominal:
+            res["train"]["mfu_vs_nominal_peak"] = res["train"]["achieved_tflops"] / nominal[1][0]
+        print(f"train: {res['train']['step_s'] * 1e3:.1f} ms/step, MFU {100 * res['train']['mfu_vs_measured_peak']:.1f}%"
+              " of measured peak", flush=True)
+    if not args.skip_decode:
+        res["decode"] = bench_decode(s, res["bandwidth"]["gb_per_s"])
+        print(f"decode: {res['decode']['tokens_per_s']:.0f} tokens/s, "
+              f"{100 * res['decode']['fraction_of_roofline']:.1f}% of roofline", flush=True)
+    res["wall_s"] = time.perf_counter() - t_start
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    if "train" in res and "decode" in res:
+        with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
+            f.write(to_markdown(res))
+        print(to_markdown(res))
+    print(f"wrote {args.out}/bench_gpu.json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
