@@ -132,6 +132,10 @@ def pair_logprobs(model: Transformer, params, batch: Batch) -> tuple[jax.Array, 
     return seq_logp_2B[:b], seq_logp_2B[b:]
 
 
+# Compiled once per (model, shapes) and reused across calls.
+_pair_logprobs_jit = jax.jit(pair_logprobs, static_argnums=0)
+
+
 def precompute_reference_logprobs(
     model: Transformer,
     ref_params: PyTree,
@@ -147,11 +151,10 @@ def precompute_reference_logprobs(
     """
     check_pairs(pairs, with_reference=False)
     n = pairs["prompt_ids"].shape[0]
-    fwd = jax.jit(lambda params, b: pair_logprobs(model, params, b))
     chosen, rejected = [], []
     for start in range(0, n, batch_size):
         idx = np.minimum(np.arange(start, start + batch_size), n - 1)
-        c, r = fwd(ref_params, {k: np.asarray(pairs[k])[idx] for k in PAIR_KEYS})
+        c, r = _pair_logprobs_jit(model, ref_params, {k: np.asarray(pairs[k])[idx] for k in PAIR_KEYS})
         keep = min(batch_size, n - start)
         chosen.append(np.asarray(c)[:keep])
         rejected.append(np.asarray(r)[:keep])
