@@ -33,6 +33,7 @@ from jaxrlhf.parallel.rules import (
     param_shardings,
     param_specs,
     place_state,
+    put_sharded,
     replicated,
     shard_batch,
     state_shardings,
@@ -44,7 +45,7 @@ __all__ = [
     "DEFAULT_RULES", "FSDP_RULES", "PRESETS", "REPLICATED_RULES", "IndivisibleError", "MissingRuleError",
     "abstract_params", "batch_shardings", "batch_spec", "cache_shardings", "constrain", "constrain_batch",
     "get_rules", "init_sharded", "init_train_state_sharded", "jit_sharded", "jit_step", "logical_to_spec",
-    "match_shardings", "optimizer_state_shardings", "param_shardings", "param_specs", "place_state",
+    "match_shardings", "optimizer_state_shardings", "param_shardings", "param_specs", "place_state", "put_sharded",
     "replicated", "shard_batch", "state_shardings",
     "generate_sharded", "load_pretrained_sharded", "checkpoint", "distributed",
 ]

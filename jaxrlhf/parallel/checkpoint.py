@@ -20,6 +20,11 @@ import jax
 PyTree = Any
 
 
+def _path(path) -> str:
+    path = os.fspath(path)
+    return path if "://" in path else os.path.abspath(path)  # gs://, s3:// stay as they are
+
+
 def _checkpointer():
     import orbax.checkpoint as ocp
     return ocp.StandardCheckpointer()
@@ -30,7 +35,7 @@ def save(path: str | os.PathLike, state: PyTree, *, overwrite: bool = False) -> 
 
     All processes must call it. An existing `path` is an error unless `overwrite=True`.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = _path(path)
     ckpt = _checkpointer()
     ckpt.save(path, state, force=overwrite)
     ckpt.wait_until_finished()
@@ -46,7 +51,7 @@ def abstract_state(state_shape: PyTree, shardings: PyTree) -> PyTree:
 def restore(path: str | os.PathLike, target: PyTree) -> PyTree:
     """Read a checkpoint written by `save` into the shardings of `target` (a pytree of
     `ShapeDtypeStruct`s with shardings, see `abstract_state`). All processes call it."""
-    path = os.path.abspath(os.fspath(path))
+    path = _path(path)
     ckpt = _checkpointer()
     try:
         return ckpt.restore(path, target)

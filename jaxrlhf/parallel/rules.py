@@ -377,6 +377,16 @@ def place_state(state: PyTree, params_shardings: PyTree = None, *, roles: Mappin
     return jax.device_put(state, sh), sh
 
 
+def put_sharded(host_tree: PyTree, shardings: PyTree) -> PyTree:
+    """Host arrays (the same values on every process, e.g. from `models.random_init`) →
+    global arrays with `shardings`; each process places only its own devices' slices
+    (`jax.make_array_from_callback`), so this works across hosts too."""
+    def one(x, s):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        return jax.make_array_from_callback(x.shape, s, lambda idx: np.asarray(x[idx]))
+    return jax.tree.map(one, host_tree, shardings)
+
+
 # ----------------------------------------------------------------------------- batch, activations
 
 

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import _models as M  # noqa: E402
 from jaxrlhf import parallel  # noqa: E402
 from jaxrlhf.algorithms.common import TrainState  # noqa: E402
+from jaxrlhf.models import random_init  # noqa: E402
 from jaxrlhf.models.transformer import Transformer  # noqa: E402
 from jaxrlhf.parallel import distributed  # noqa: E402
 
@@ -37,7 +38,8 @@ def main():
     model, tx = Transformer(M.LLAMA), M.optimizer()
     mesh = parallel.make_mesh("data=2,fsdp=-1")
     p_sh = parallel.param_shardings(model, mesh)
-    params = parallel.init_sharded(model, jax.random.key(0), mesh, seq_len=2)
+    # the same host values on every process, each placing only its own shards
+    params = parallel.put_sharded(random_init(M.LLAMA, seed=0)[1], p_sh)
     state, sh = parallel.place_state(TrainState.create(params, tx), p_sh)
     step = parallel.jit_step(M.make_step(model, tx), mesh=mesh, state_shardings=sh)
     for i in range(STEPS):

@@ -32,10 +32,11 @@ def _free_port() -> int:
 def _reference(steps: int):
     import _models as M
     from jaxrlhf.algorithms.common import TrainState
-    from jaxrlhf.models.transformer import Transformer, init_params
+    from jaxrlhf.models import random_init
 
-    model, tx = Transformer(M.LLAMA), M.optimizer()
-    state = TrainState.create(jax.jit(lambda r: init_params(model, r, seq_len=2))(jax.random.key(0)), tx)
+    model, params = random_init(M.LLAMA, seed=0)
+    tx = M.optimizer()
+    state = TrainState.create(params, tx)
     step = jax.jit(M.make_step(model, tx))
     metrics = []
     for i in range(steps):
