@@ -2,12 +2,14 @@
 
     python -m jaxrlhf.train --config=configs/addition_grpo.py --workdir=/tmp/addition_grpo
 
-A 0.4M-parameter transformer with a character tokenizer learns "37+58=" -> "95" by a short
-SFT phase that stops while it is still often wrong, then GRPO on the exact-match reward
-(8 samples per prompt) raises held-out exact-match accuracy. No downloads.
-Expected on 2 CPU cores: see the before/after table printed at the end (and
-`summary.json` in the workdir); the figures of the last measured run are in
-docs/benchmarks.md.
+A 0.4M-parameter transformer with a character tokenizer learns "37+58=" -> "95" by an
+SFT phase that stops two thirds of the way through its learning-rate schedule, while the
+policy is still mostly wrong (about 30% held-out exact match), then GRPO (64 prompts x 8
+samples per step, reward = exact match + 0.5 x fraction of correct answer tokens) raises
+held-out exact-match accuracy to about 65% (measured: 0.296 -> 0.652 in one run; the
+latest figures and timing are in docs/benchmarks.md). No downloads; a few minutes on
+2 CPU cores. The before/after table and sample outputs are printed at the end and saved
+in `summary.json`.
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """
@@ -19,13 +21,13 @@ def get_config(arg=None):
     c = base.mlc.ConfigDict()
     c.algorithm = "grpo"
     c.seed = 0
-    c.task = base.task(num_digits=2, num_train=8000, num_test=500)
+    c.task = base.task(num_digits=2, num_train=8000, num_test=500, partial_credit=0.5)
     c.model = base.model(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4,
                          head_dim=32)
-    c.sft = base.sft(steps=450, batch_size=64, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=50,
-                                                           end_lr_ratio=0.1))
-    c.grpo = base.grpo(steps=150, prompts_per_step=32, sampling=dict(max_new_tokens=4, num_samples=8),
-                       advantage="grpo", agg="token-mean", optim=dict(lr=1e-3, schedule="constant"))
+    c.sft = base.sft(steps=600, batch_size=64, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=50,
+                                                           decay_steps=900, end_lr_ratio=0.1))
+    c.grpo = base.grpo(steps=300, prompts_per_step=64, sampling=dict(max_new_tokens=4, num_samples=8),
+                       advantage="grpo", agg="token-mean", optim=dict(lr=3e-4, schedule="constant"))
     c.train = base.train(log_every=5, eval_every=25, checkpoint_every=50)
     if arg == "tiny":
         c.task.num_train, c.task.num_test = 256, 64

@@ -32,7 +32,7 @@ def model(**kw) -> mlc.ConfigDict:
 
 def optim(**kw) -> mlc.ConfigDict:
     return mlc.ConfigDict(dict(dict(
-        lr=1e-5, schedule="constant", warmup_steps=0, end_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8,
+        lr=1e-5, schedule="constant", warmup_steps=0, decay_steps=0, end_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8,
         weight_decay=0.0, max_grad_norm=1.0), **kw))
 
 

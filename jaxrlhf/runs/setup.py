@@ -40,9 +40,15 @@ def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: i
 
 
 def build_optimizer(cfg, *, total_steps: int):
-    """`config.optim`-like section -> `(tx, schedule)`."""
+    """`config.optim`-like section -> `(tx, schedule)`.
+
+    The schedule spans `cfg.decay_steps` when set (> 0), else the phase's `total_steps`:
+    a phase may stop part-way through its schedule (the built-in task's SFT warm start
+    does, to leave the policy often wrong for RL to improve).
+    """
     return common.make_optimizer(common.OptimConfig(
-        lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+        lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps,
+        total_steps=cfg.decay_steps if cfg.decay_steps > 0 else total_steps,
         end_lr_ratio=cfg.end_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else None))
 
