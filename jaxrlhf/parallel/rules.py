@@ -43,8 +43,8 @@ from jaxrlhf.models.transformer import Transformer, init_params
 logger = logging.getLogger(__name__)
 
 PyTree = Any
-MeshAxes = "str | tuple[str, ...] | None"
-Rules = tuple  # tuple[tuple[str, MeshAxes], ...]
+# A rule set: ((logical axis, None | mesh axis | tuple of mesh axes), ...), first match wins.
+Rules = tuple
 
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
