@@ -169,7 +169,8 @@ def run_trl(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
     timed_steps = deltas[warmup:]
     return dict(stats=_stats(timed_steps), step_times=timed_steps, init_s=init_s,
                 first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
-                peak_rss_mib=peak_rss_mib(), cpu_watch=watch.result(), trl_version=trl.__version__, torch_version=torch.__version__,
+                peak_rss_mib=peak_rss_mib(), cpu_watch=watch.result(), trl_version=trl.__version__,
+                torch_version=torch.__version__,
                 note="trl.DPOTrainer, precompute_ref_log_probs=True; seconds between consecutive optimizer "
                      "steps (on_step_end), so dataloading/collation and logging are included")
 

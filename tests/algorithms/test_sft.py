@@ -105,7 +105,8 @@ def test_bf16_compute_path_is_finite():
     model = Transformer(CFG.replace(dtype="bfloat16", param_dtype="float32"))
     tx, _ = common.make_optimizer(common.OptimConfig(lr=1e-3))
     state = sft.init_state(PARAMS, tx)
-    state, metrics = jax.jit(sft.make_train_step(model, tx, sft.SFTConfig()))(state, _batch(np.random.default_rng(4)), RNG)
+    step = jax.jit(sft.make_train_step(model, tx, sft.SFTConfig()))
+    state, metrics = step(state, _batch(np.random.default_rng(4)), RNG)
     assert bool(metrics["finite"]) and np.isfinite(metrics["loss"]) and metrics["loss"] > 0
     assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
 
