@@ -105,7 +105,8 @@ def _pair_eval(eval_step, pairs: dict, keys, batch_size: int = 256):
         idx = np.arange(start, min(start + batch_size, n))
         m = step({k: pairs[k][idx] for k in keys})
         for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + float(np.mean(v)) * len(idx)
+            if k != "weight":  # the eval steps' own batch weight, not a metric
+                sums[k] = sums.get(k, 0.0) + float(np.mean(v)) * len(idx)
         count += len(idx)
     return {k: v / count for k, v in sums.items()}
 
