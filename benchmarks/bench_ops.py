@@ -152,9 +152,9 @@ def bench_logprobs(repeats: int) -> list[dict]:
         "token_logprobs: naive log_softmax + gather": (_naive_logprobs, True),
         "token_logprobs: ops.token_logprobs": (ops.token_logprobs, True),
         "entropy: naive softmax · log_softmax": (_naive_entropy, False),
-        "entropy: ops.entropy (default, one piece)": (ops.entropy, False),
-        "entropy: ops.entropy (chunk_size=64)": (
-            functools.partial(ops.entropy, chunk_size=64), False
+        "entropy: ops.entropy (default chunks)": (ops.entropy, False),
+        "entropy: ops.entropy (chunk_size=T, one piece)": (
+            functools.partial(ops.entropy, chunk_size=t), False
         ),
     }
     rows = []

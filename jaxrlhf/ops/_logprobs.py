@@ -17,8 +17,8 @@ B=8, T=512, V=151,936, where one float32 copy of the logits is 2374 MiB
 
 With both, `token_logprobs` holds no temporary beyond `[B, T]` (float32 or bf16 logits,
 no chunking needed). The entropy's plain `softmax · log_softmax` form is fused whole in
-the forward pass; its backward pass is not, so `entropy` can run over chunks of positions
-(`chunk_size`) to bound the backward's float32 temporaries.
+the forward pass but not in the backward pass, so `entropy` runs over chunks of
+positions to bound both.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrlhf.ops import _checks
+
+# Logits one entropy chunk may hold: 2**26 (256 MiB as float32).
+_CHUNK_ELEMENTS = 2**26
 
 def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
@@ -160,11 +163,12 @@ def entropy(
     Args:
       logits: `[B, T, V]` response-aligned logits, any float dtype (float32 math).
       temperature: `τ > 0`, the sampling temperature (SPEC §2).
-      chunk_size: response positions processed at once. `None` (all at once) is what
-        XLA fuses with no float32 temporary in the forward pass; but the backward pass
-        then holds two float32 `[B, T, V]` arrays, which a chunk size bounds (at
-        B=8, T=512, V=151,936: 4748 MiB unchunked, 1187 MiB with 64, at the price of
-        594 MiB in the forward pass).
+      chunk_size: response positions processed at once; `None` picks the largest chunk
+        of at most 2**26 logits (256 MiB as float32; 55 positions at B=8, V=151,936, one
+        piece for small vocabularies). In one piece XLA fuses the forward pass with no
+        float32 temporary, but the backward pass then holds two float32 `[B, T, V]`
+        arrays; chunks bound both (at B=8, T=512, V=151,936, float32: 0 / 4748 MiB in
+        one piece, 594 / 1187 MiB with 64 positions, forward / under grad).
 
     Returns:
       `[B, T]` float32 entropies (nats).
@@ -174,7 +178,7 @@ def entropy(
     b, t, v = logits.shape
     _checks.positive(fn, "temperature", temperature)
     if chunk_size is None:
-        chunk_size = t
+        chunk_size = max(1, _CHUNK_ELEMENTS // (b * v))
     elif not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{fn}: `chunk_size` must be a positive int or None, got {chunk_size!r}")
     inv_tau = 1.0 / jnp.asarray(temperature, jnp.float32)
