@@ -73,7 +73,8 @@ def shape_rewards(
 ) -> jax.Array:
     """Per-token RLHF-PPO reward: KL penalty on every token, score on the last one.
 
-        r[b, t] = −β · kl[b, t] · m[b, t] + [t = len_b − 1] · scores[b],   len_b = Σ_t m[b, t]
+        r[b, t] = −β · kl[b, t] · m[b, t] + [t = len_b − 1] · scores[b]
+        len_b = Σ_t m[b, t]
 
     (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022). A sequence with no valid
     token gets an all-zero row: its score is dropped, since there is no token to carry it.

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrlhf import ops
-from tests.ops import inputs, reference
+from . import inputs, reference
 
 B, T = 5, 8
 METHODS = ["scan", "associative", "blocked", "auto"]

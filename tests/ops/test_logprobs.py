@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import ops
-from tests.ops import reference
+from . import reference
 
 B, T, V = 2, 5, 7
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import ops
-from tests.ops import inputs, reference
+from . import inputs, reference
 
 B, T = 5, 6
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

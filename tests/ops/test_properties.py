@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import ops
-from tests.ops import inputs
+from . import inputs
 
 B, T, PAD = 4, 6, 3
 SCORES = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
