@@ -178,6 +178,19 @@ def accumulate_gradients(
     return loss, metrics, grads
 
 
+def apply_if_finite(state: TrainState, grads, tx: optax.GradientTransformation, loss) -> tuple[TrainState, jax.Array]:
+    """`(state.apply_gradients(grads, tx), True)`, or `(state, False)` unchanged — params,
+    optimizer state and step — when the loss or any gradient is NaN/Inf, so that the
+    caller can stop before saving anything poisoned."""
+    finite = tree_finite(grads) & jnp.isfinite(loss)
+    return skip_unless(finite, state.apply_gradients(grads, tx), state), finite
+
+
+def skip_unless(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """`new` where `finite`, else `old` (leafwise select; both trees alike)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
 def tree_finite(tree: PyTree) -> jax.Array:
     """True when every leaf is finite: the check that stops a run before it saves NaNs."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]

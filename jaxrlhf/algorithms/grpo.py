@@ -420,9 +420,7 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
                                        total_seqs=mb_size)
         loss, metrics, grads = common.accumulate_gradients(chunk_loss, policy.params, mb, num_microbatches=k)
-        finite = common.tree_finite(grads) & jnp.isfinite(loss)
-        stepped = policy.apply_gradients(grads, tx)
-        policy = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, policy)
+        policy, finite = common.apply_if_finite(policy, grads, tx, loss)
         return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
 
     policy, stacked = jax.lax.scan(step, state.policy, index)

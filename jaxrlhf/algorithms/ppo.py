@@ -44,6 +44,7 @@ from jaxrlhf.algorithms.common import (
     accumulation_scale,
     response_hidden,
     response_logprobs,
+    skip_unless,
     tree_finite,
 )
 from jaxrlhf.algorithms.experience import SamplingConfig
@@ -669,7 +670,7 @@ def update(
         loss, metrics, grads = accumulate_gradients(lambda p, b, _: lf(p, b), params, mb,
                                                     num_microbatches=cfg.num_microbatches)
         finite = tree_finite(grads) & jnp.isfinite(loss)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        keep = functools.partial(skip_unless, finite)
         new_actor = keep(actor.apply_gradients(grads["actor"], tx_actor), actor)
         new_critic = None
         metrics = dict(metrics, finite=finite, grad_norm=optax.tree.norm(grads["actor"]))

@@ -136,13 +136,6 @@ def loss_fn(params, batch: Batch, *, model: Transformer, cfg: RewardModelConfig)
     return loss, metrics
 
 
-def _apply_if_finite(state: common.TrainState, tx, grads, loss) -> tuple[common.TrainState, jax.Array]:
-    """The updated state, or `state` unchanged when the loss or any gradient is NaN/Inf."""
-    finite = common.tree_finite(grads) & jnp.isfinite(loss)
-    new = state.apply_gradients(grads, tx)
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state), finite
-
-
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: RewardModelConfig
                     ) -> Callable[[common.TrainState, Batch, jax.Array], tuple[common.TrainState, dict]]:
     """`step(state, batch, rng) -> (state, metrics)`, a pure function (not jitted).
@@ -170,7 +163,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: R
 
         loss, metrics, grads = common.accumulate_gradients(
             micro_loss, state.params, {k: batch[k] for k in keys}, num_microbatches=n)
-        new_state, finite = _apply_if_finite(state, tx, grads, loss)
+        new_state, finite = common.apply_if_finite(state, grads, tx, loss)
         return new_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
 
     return step

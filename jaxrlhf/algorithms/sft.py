@@ -120,13 +120,6 @@ def loss_fn(params, batch: Batch, *, model: Transformer, cfg: SFTConfig) -> tupl
     return loss, metrics
 
 
-def _apply_if_finite(state: common.TrainState, tx, grads, loss) -> tuple[common.TrainState, jax.Array]:
-    """The updated state, or `state` unchanged when the loss or any gradient is NaN/Inf."""
-    finite = common.tree_finite(grads) & jnp.isfinite(loss)
-    new = state.apply_gradients(grads, tx)
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state), finite
-
-
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: SFTConfig
                     ) -> Callable[[common.TrainState, Batch, jax.Array], tuple[common.TrainState, dict]]:
     """`step(state, batch, rng) -> (state, metrics)`, a pure function (not jitted).
@@ -159,7 +152,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: S
             micro_loss, state.params, {k: batch[k] for k in BATCH_KEYS}, num_microbatches=n)
         # Micro-batch metrics are averaged; the sums times n are exact full-batch sums.
         num_tokens, num_correct = metrics["num_tokens"] * n, metrics["num_correct"] * n
-        new_state, finite = _apply_if_finite(state, tx, grads, loss)
+        new_state, finite = common.apply_if_finite(state, grads, tx, loss)
         out = dict(loss=loss, nll=metrics["nll"], token_accuracy=num_correct / jnp.maximum(num_tokens, 1.0),
                    num_tokens=num_tokens, grad_norm=optax.tree.norm(grads), finite=finite)
         return new_state, out
