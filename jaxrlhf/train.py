@@ -2,7 +2,8 @@
 
 Fields are overridden with `--config.<section>.<field>=value`; the config is locked, so a
 misspelt key is an error that names the nearest valid one. A workdir that holds a
-checkpoint resumes from it.
+checkpoint resumes from it. Under `launch/` scripts (TPU pods, SLURM, local processes) every
+process runs this same command; `jaxrlhf.parallel.distributed.initialize` joins them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def main(argv):
                         stream=sys.stderr, force=True)
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from jaxrlhf.parallel import distributed
     from jaxrlhf.runs import train_and_evaluate  # after flag parsing: keeps --help fast
 
+    # Joins the other processes of a multi-host job (TPU pod, SLURM, launch/*.sh) before any
+    # device is touched; a no-op for a single process.
+    distributed.initialize()
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="jaxrlhf_")
     logging.getLogger("jaxrlhf").info("workdir: %s", workdir)
     train_and_evaluate(_CONFIG.value, workdir)
