@@ -1,5 +1,6 @@
 """The notebooks run top to bottom (they are committed without outputs)."""
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -10,7 +11,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path, tmp_path):
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRLHF_NOTEBOOK_SCALE", "tiny")  # the kernel inherits the environment
     nb = nbformat.read(path, as_version=4)
     assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), \
         f"{path.name} is committed with outputs; clear them"
