@@ -5,7 +5,12 @@
 SFT from scratch (the actor, and the reference as its frozen copy), then a reward model
 trained on synthetic preference pairs (correct vs corrupted answers) from the SFT trunk,
 then PPO with a critic on the same trunk. The run reports the reward-model score
-(`score_mean`) beside the true held-out exact-match accuracy (`eval/accuracy`).
+(`score_mean`) beside the true held-out exact-match accuracy (`eval/accuracy`), because
+they disagree here: measured in one run, the reward model orders 81% of held-out pairs
+correctly but cannot tell an off-by-one sum from the right one, and PPO raises its score
+(4.4 -> 5.2) while true exact match falls (0.296 -> 0.164; with kl_coef 0.02 and lr 3e-4 it
+fell to 0.012 with KL 3 nats/token). A learned reward is only as good as its blind spots;
+the GRPO config with the exact-match reward is the one that improves accuracy.
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """
@@ -25,7 +30,7 @@ def get_config(arg=None):
     c.reward_model = base.pairs_phase("reward_model", steps=300, batch_size=64,
                                       optim=dict(lr=1e-3, schedule="cosine", warmup_steps=20))
     c.ppo = base.ppo(steps=100, prompts_per_step=64, sampling=dict(max_new_tokens=4),
-                     kl_coef=0.02, num_ppo_epochs=2, optim=dict(lr=3e-4), critic_optim=dict(lr=1e-3))
+                     kl_coef=0.2, num_ppo_epochs=2, optim=dict(lr=1e-4), critic_optim=dict(lr=1e-3))
     c.train = base.train(log_every=5, eval_every=25, checkpoint_every=50)
     if arg == "tiny":
         c.task.update(num_train=256, num_test=64, num_pairs=64)
