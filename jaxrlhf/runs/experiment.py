@@ -46,6 +46,11 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`)."""
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
+    if jax.process_count() > 1:
+        # The phases run unsharded: each host would silently train its own copy.
+        raise NotImplementedError(
+            f"train_and_evaluate runs on one process; this job has {jax.process_count()}. Shard the steps "
+            "with jaxrlhf.parallel (make_mesh, init_train_state_sharded, jit_step) for multi-host runs.")
     start = time.perf_counter()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
