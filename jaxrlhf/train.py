@@ -2,8 +2,9 @@
 
 Fields are overridden with `--config.<section>.<field>=value`; the config is locked, so a
 misspelt key is an error that names the nearest valid one. A workdir that holds a
-checkpoint resumes from it. Under `launch/` scripts (TPU pods, SLURM, local processes) every
-process runs this same command; `jaxrlhf.parallel.distributed.initialize` joins them.
+checkpoint resumes from it. The processes of a multi-host job are joined first
+(`jaxrlhf.parallel.distributed.initialize`), but config runs are single-process for now:
+multi-host training goes through the `jaxrlhf.parallel` API (docs/scale.md).
 """
 
 from __future__ import annotations
