@@ -33,10 +33,11 @@ def load_workload(path: str | None = None) -> dict:
     raise FileNotFoundError(f"workload_prompts.json not found in {[str(c) for c in candidates]}; pass --prompts")
 
 
-def hf_llama_config():
+def hf_llama_config(**extra):
+    """The workload's `transformers.LlamaConfig`; `extra` (e.g. `attn_implementation`) goes to its constructor."""
     import transformers
 
-    return transformers.LlamaConfig(**LLAMA)
+    return transformers.LlamaConfig(**LLAMA, **extra)
 
 
 def jax_llama_config(**overrides):
@@ -57,8 +58,17 @@ def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", **extra):
     return getattr(transformers, cls_name)(cfg).eval()
 
 
-def timed(fn, *, warmup: int, repeats: int) -> dict:
-    """Wall seconds of `fn()` (which must block until its work is done): min/median/max."""
+def summary(times, count_key: str = "runs") -> dict:
+    """min/median/max of wall seconds measured elsewhere, and how many there are (under `count_key`)."""
+    times = [float(t) for t in times]
+    return {"min_s": min(times), "median_s": statistics.median(times), "max_s": max(times), count_key: len(times)}
+
+
+def timed(fn, *, warmup: int, repeats: int, keep_times: bool = False) -> dict:
+    """Wall seconds of `fn()` (which must block until its work is done): min/median/max.
+
+    `keep_times=True` adds the individual timed runs under "times".
+    """
     for _ in range(warmup):
         fn()
     times = []
@@ -66,7 +76,10 @@ def timed(fn, *, warmup: int, repeats: int) -> dict:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return {"min_s": min(times), "median_s": statistics.median(times), "max_s": max(times), "runs": repeats}
+    out = summary(times)
+    if keep_times:
+        out["times"] = times
+    return out
 
 
 def peak_rss_mib() -> float:
@@ -87,18 +100,26 @@ class CpuWatch:
     """`with CpuWatch() as w: ...` then `w.result()`: cores used by other processes meanwhile."""
 
     def __enter__(self):
+        self._load0 = os.getloadavg()
         self._start = _cpu_ticks()
         return self
 
     def __exit__(self, *exc):
         self._end = _cpu_ticks()
+        self._load1 = os.getloadavg()
 
-    def result(self, threshold_cores: float = 0.25) -> dict:
+    def result(self, threshold_cores: float = 0.25, detail: bool = False) -> dict:
+        """`detail=True` adds this process's cores, the load average before/after and the wall seconds."""
         hz = os.sysconf("SC_CLK_TCK")
         (b0, o0, t0), (b1, o1, t1) = self._start, self._end
         wall = max(t1 - t0, 1e-9)
         others = max((b1 - b0) - (o1 - o0), 0) / hz / wall
-        return {"others_cores": round(others, 3), "contended": others > threshold_cores}
+        out = {"others_cores": round(others, 3)}
+        if detail:
+            out.update(own_cores=round((o1 - o0) / hz / wall, 3), loadavg_before=self._load0,
+                       loadavg_after=self._load1, wall_s=round(wall, 2))
+        out["contended"] = others > threshold_cores
+        return out
 
 
 def write_json(out: str | None, default_name: str, payload: dict) -> Path:

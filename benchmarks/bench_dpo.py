@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import CpuWatch, hf_llama, load_workload, peak_rss_mib, write_json  # noqa: E402
+from _common import CpuWatch, hf_llama, load_workload, peak_rss_mib, summary, timed, write_json  # noqa: E402
 
 B, P, T = 16, 32, 64
 BETA, LR = 0.1, 1e-5
@@ -53,11 +53,6 @@ def make_data(workload: dict) -> dict[str, np.ndarray]:
     chosen = np.concatenate([rng.integers(4, 512, (B, T - 1)).astype(np.int32), eos], axis=1)
     rejected = np.concatenate([rng.integers(4, 512, (B, T - 1)).astype(np.int32), eos], axis=1)
     return dict(prompt_ids=prompts, chosen_ids=chosen, rejected_ids=rejected)
-
-
-def _stats(times: list[float]) -> dict:
-    s = sorted(times)
-    return dict(min_s=s[0], median_s=float(np.median(s)), max_s=s[-1], runs=len(s))
 
 
 # --------------------------------------------------------------------------- jaxrlhf
@@ -85,18 +80,22 @@ def run_jax(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
     t_c = time.perf_counter()
     step = dpo.jit_train_step(model, tx, dpo.DPOConfig(beta=BETA)).lower(state, batch, rng).compile()
     compile_s = time.perf_counter() - t_c
-    losses, times = [], []
+    losses, timed_metrics = [], []
     for _ in range(warmup):
         state, m = step(state, batch, rng)
         losses.append(float(m["loss"]))
+    box = {"state": state}
+
+    def one():
+        box["state"], m = step(box["state"], batch, rng)
+        jax.block_until_ready(m["loss"])
+        timed_metrics.append(m)
+
     with CpuWatch() as watch:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            state, m = step(state, batch, rng)
-            jax.block_until_ready(m["loss"])
-            times.append(time.perf_counter() - start)
-            losses.append(float(m["loss"]))
-    return dict(stats=_stats(times), step_times=times, compile_s=compile_s, ref_precompute_s=ref_s,
+        stats = timed(one, warmup=0, repeats=repeats, keep_times=True)
+    losses += [float(m["loss"]) for m in timed_metrics]
+    times = stats.pop("times")
+    return dict(stats=stats, step_times=times, compile_s=compile_s, ref_precompute_s=ref_s,
                 setup_s=t_c - t0, first_loss=losses[0], last_loss=losses[-1], peak_rss_mib=peak_rss_mib(),
                 cpu_watch=watch.result(), note="jax.jit(make_train_step(...), donate_argnums=0), AOT-compiled")
 
@@ -167,7 +166,7 @@ def run_trl(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
             trainer.train()
     deltas = np.diff(step_ends).tolist()
     timed_steps = deltas[warmup:]
-    return dict(stats=_stats(timed_steps), step_times=timed_steps, init_s=init_s,
+    return dict(stats=summary(timed_steps), step_times=timed_steps, init_s=init_s,
                 first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                 peak_rss_mib=peak_rss_mib(), cpu_watch=watch.result(), trl_version=trl.__version__,
                 torch_version=torch.__version__,
@@ -197,7 +196,7 @@ def run_torch(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
         ref = seq_logp(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    losses, times = [], []
+    losses = []
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -211,11 +210,9 @@ def run_torch(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
     for _ in range(warmup):
         losses.append(step())
     with CpuWatch() as watch:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            losses.append(step())
-            times.append(time.perf_counter() - start)
-    return dict(stats=_stats(times), step_times=times, first_loss=losses[0], last_loss=losses[-1],
+        stats = timed(lambda: losses.append(step()), warmup=0, repeats=repeats, keep_times=True)
+    times = stats.pop("times")
+    return dict(stats=stats, step_times=times, first_loss=losses[0], last_loss=losses[-1],
                 peak_rss_mib=peak_rss_mib(), cpu_watch=watch.result(), torch_version=torch.__version__,
                 note="hand-written: one forward of 2B rows, reference precomputed, sigmoid loss, AdamW")
 

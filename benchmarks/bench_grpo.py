@@ -27,67 +27,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_PROMPTS = os.path.join(os.path.dirname(REPO), "shared", "workload_prompts.json")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
 G, T_NEW, TARGET, PROMPTS_PER_STEP = 8, 64, 7, 2
-
-
-def _hf_config():
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        attn_implementation="sdpa")
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-class CpuWatch:
-    """CPU time used by other processes (in cores) while a timed section runs."""
-
-    def _busy(self):
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-    def _own(self):
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    def __enter__(self):
-        self.t0, self.busy0, self.own0, self.load0 = time.perf_counter(), self._busy(), self._own(), os.getloadavg()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.t0
-        self.own_cores = (self._own() - self.own0) / self.wall
-        self.others_cores = max(0.0, (self._busy() - self.busy0) / self.wall - self.own_cores)
-        self.load1 = os.getloadavg()
-
-    def report(self) -> dict:
-        return dict(others_cores=round(self.others_cores, 3), own_cores=round(self.own_cores, 3),
-                    loadavg_before=self.load0, loadavg_after=self.load1, wall_s=round(self.wall, 2),
-                    contended=self.others_cores > 0.25)
-
-
-def _stats(times):
-    return dict(min_s=min(times), median_s=statistics.median(times), max_s=max(times), n=len(times))
 
 
 # --------------------------------------------------------------------------- jaxrlhf
@@ -148,7 +101,7 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
         step(i)
         gen(i)
     step_times, gen_times, history = [], [], []
-    with CpuWatch() as watch:
+    with _common.CpuWatch() as watch:
         for i in range(warmup, total):
             t0 = time.perf_counter()
             history.append(step(i))
@@ -158,12 +111,12 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
             gen_times.append(time.perf_counter() - t0)
     med_step, med_gen = statistics.median(step_times), statistics.median(gen_times)
     return dict(
-        stats=_stats(step_times), step_times=step_times, generation_times=gen_times,
+        stats=_common.summary(step_times, count_key="n"), step_times=step_times, generation_times=gen_times,
         generation_share=med_gen / med_step, first_call_s=compile_s, rollout_first_call_s=rollout_compile_s,
         first_step=dict(reward_mean=float(first["reward/mean"]), ratio_max=float(first["ratio_max"]),
                         clipfrac=float(first["clipfrac"]), grad_norm=float(first["grad_norm"]),
                         response_length_mean=float(first["response_length/mean"])),
-        last_reward_mean=float(history[-1]["reward/mean"]), cpu_watch=watch.report(),
+        last_reward_mean=float(history[-1]["reward/mean"]), cpu_watch=watch.result(detail=True),
         note="one jitted program per step (rollout + reward + advantages + update, state donated); generation "
              "timed separately as the jitted rollout alone")
 
@@ -188,7 +141,7 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing)
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    model = transformers.LlamaForCausalLM(_hf_config())
+    model = transformers.LlamaForCausalLM(_common.hf_llama_config(attn_implementation="sdpa"))
     model.load_state_dict(tm_state_dict)
     tokenizer = _word_tokenizer()
     prompts = [" ".join(f"t{int(t)}" for t in row) for row in prompts_64x32]
@@ -231,18 +184,18 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing)
         trainer = Timed(model=model, reward_funcs=frac7, args=args, train_dataset=dataset,
                         processing_class=tokenizer, callbacks=[StepTimer()])
         trainer.remove_callback(transformers.PrinterCallback)  # keep stdout for the table
-        with CpuWatch() as watch:
+        with _common.CpuWatch() as watch:
             trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
     timed = step_times[warmup:]
     times = [s for s, _ in timed]
     gens = [g for _, g in timed]
     return dict(
-        stats=_stats(times), step_times=times, generation_times=gens,
+        stats=_common.summary(times, count_key="n"), step_times=times, generation_times=gens,
         generation_share=statistics.median(gens) / statistics.median(times),
         first_step=dict(reward_mean=logs[0].get("reward") if logs else None,
                         completion_length=logs[0].get("completions/mean_length") if logs else None),
-        last_reward_mean=logs[-1].get("reward") if logs else None, cpu_watch=watch.report(),
+        last_reward_mean=logs[-1].get("reward") if logs else None, cpu_watch=watch.result(detail=True),
         note=f"GRPOTrainer, gradient_checkpointing={gradient_checkpointing}; cpu_watch covers all "
              f"{total} steps including warm-up")
 
@@ -252,7 +205,7 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="workload_prompts.json")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps (a smoke run, not a result)")
@@ -263,21 +216,20 @@ def main(argv=None):
         args.warmup, args.steps = 1, 2
     elif args.steps < 6:
         ap.error("--steps must be >= 6 (WORKLOAD.md protocol); use --quick for a smoke run")
-    sys.path.insert(0, REPO)
+    sys.path.insert(0, str(_common.REPO))
 
     t_start = time.perf_counter()
     import torch
     import transformers
 
     torch.set_num_threads(2)
-    with open(args.prompts) as f:
-        prompts = np.asarray(json.load(f)["prompts"], np.int64)
+    prompts = np.asarray(_common.load_workload(args.prompts)["prompts"], np.int64)
     assert prompts.shape == (64, 32), prompts.shape
     # TRL's sampler draws a seeded permutation of the pool; ours is numpy's, also seed 0.
     order = np.random.default_rng(0).permutation(len(prompts))
 
     torch.manual_seed(0)
-    tm = transformers.LlamaForCausalLM(_hf_config())
+    tm = transformers.LlamaForCausalLM(_common.hf_llama_config(attn_implementation="sdpa"))
     n_params = sum(p.numel() for p in tm.parameters())
     state_dict = {k: v.clone() for k, v in tm.state_dict().items()}
     results, errors = {}, {}
@@ -307,13 +259,12 @@ def main(argv=None):
         pass
     result = dict(
         workload="WORKLOAD.md measurement 3 (GRPO step)", params=n_params, results=results, errors=errors,
-        quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_peak_rss_mib(),
+        quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_common.peak_rss_mib(),
         peak_rss_note=f"whole process, frameworks run: {args.framework}", versions=versions, nproc=os.cpu_count(),
         contended=any(r["cpu_watch"]["contended"] for r in results.values()), total_s=time.perf_counter() - t_start)
     print(_markdown(result))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        _common.write_json(args.out, "grpo.json", result)
     return result
 
 

@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import jax
@@ -36,6 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
 GAE_SHAPES = [(16, 64), (64, 512), (256, 2048)]
 GAMMA, LAM = 1.0, 0.95
@@ -45,15 +46,9 @@ MiB = 2**20
 
 def _time(fn, repeats: int, warmup: int = 2) -> dict:
     """Min / median / max wall milliseconds of `fn()` (which must block until done)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return {"min_ms": min(times), "median_ms": statistics.median(times), "max_ms": max(times),
-            "runs": repeats}
+    t = _common.timed(fn, warmup=warmup, repeats=repeats)
+    return {"min_ms": 1e3 * t["min_s"], "median_ms": 1e3 * t["median_s"], "max_ms": 1e3 * t["max_s"],
+            "runs": t["runs"]}
 
 
 def _gae_data(b: int, t: int):
@@ -217,7 +212,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=("all", "gae", "logprobs"), default="all")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs (>= 6)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ops.json"))
+    parser.add_argument("--out", default=None, help="JSON output (default: benchmarks/results/ops.json)")
     args = parser.parse_args()
     repeats = max(args.repeats, 6)
 
@@ -242,10 +237,7 @@ def main() -> None:
               + _logprobs_table(results["token_logprobs"]) + "\n")
     results["machine"]["load_average_at_end"] = os.getloadavg()
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {_common.write_json(args.out, 'ops.json', results)}")
 
 
 if __name__ == "__main__":

@@ -169,8 +169,7 @@ def trl_worker(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> d
             trainer.train()
     times = np.diff(stamps)
     timed = times[warmup:]
-    return {"impl": f"trl {trl.__version__} PPOTrainer", "epochs": epochs, "min_s": float(timed.min()),
-            "median_s": float(np.median(timed)), "max_s": float(timed.max()), "runs": int(len(timed)),
+    return {"impl": f"trl {trl.__version__} PPOTrainer", "epochs": epochs, **_common.summary(timed),
             "first_call_s": float(times[0]), **watch.result(), "peak_rss_mib": _common.peak_rss_mib(),
             "torch": torch.__version__}
 

@@ -19,66 +19,18 @@ both alike; the CPU time other processes used during the timed window is recorde
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import resource
-import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_PROMPTS = os.path.join(os.path.dirname(REPO), "shared", "workload_prompts.json")
-
-
-def _hf_config():
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        attn_implementation="sdpa")
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-class CpuWatch:
-    """CPU time used by other processes (in cores) while the timed loop runs."""
-
-    def _busy(self):
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    def _own(self):
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
-        self.load0 = os.getloadavg()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        self.wall = wall
-        self.own_cores = (self._own() - self.own0) / wall
-        self.others_cores = max(0.0, (self._busy() - self.busy0) / wall - self.own_cores)
-        self.load1 = os.getloadavg()
-
-    def report(self) -> dict:
-        return dict(others_cores=round(self.others_cores, 3), own_cores=round(self.own_cores, 3),
-                    loadavg_before=self.load0, loadavg_after=self.load1, wall_s=round(self.wall, 2),
-                    contended=self.others_cores > 0.25)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
 
 def build_jax(ckpt_dir, batch_BxL):
@@ -138,13 +90,13 @@ def build_torch(tm, batch_BxL):
 
 
 def _stats(times):
-    return dict(min_s=min(times), median_s=statistics.median(times), max_s=max(times),
-                tokens_per_s_median=16 * 96 / statistics.median(times), n=len(times))
+    s = _common.summary(times, count_key="n")
+    return {**s, "tokens_per_s_median": 16 * 96 / s["median_s"]}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="workload_prompts.json")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--framework", choices=("both", "jax", "torch"), default="both",
@@ -153,19 +105,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 6:
         ap.error("--steps must be >= 6 (WORKLOAD.md protocol)")
-    sys.path.insert(0, REPO)
+    sys.path.insert(0, str(_common.REPO))
 
     t_start = time.perf_counter()
     import torch
     import transformers
 
     torch.set_num_threads(2)
-    with open(args.prompts) as f:
-        batch = np.asarray(json.load(f)["train_batch"], np.int64)
+    batch = np.asarray(_common.load_workload(args.prompts)["train_batch"], np.int64)
     assert batch.shape == (16, 96), batch.shape
 
     torch.manual_seed(0)
-    tm = transformers.LlamaForCausalLM(_hf_config())
+    tm = transformers.LlamaForCausalLM(_common.hf_llama_config(attn_implementation="sdpa"))
     n_params = sum(p.numel() for p in tm.parameters())
     runners, compile_s = {}, None
     with tempfile.TemporaryDirectory() as ckpt:
@@ -183,7 +134,7 @@ def main(argv=None):
         for _ in range(args.warmup - 1):
             run()
     times = {name: [] for name in runners}
-    with CpuWatch() as watch:
+    with _common.CpuWatch() as watch:
         for _ in range(args.steps):
             for name, run in runners.items():
                 t0 = time.perf_counter()
@@ -200,9 +151,9 @@ def main(argv=None):
         jax_compile_s=compile_s,
         stats={name: _stats(t) for name, t in times.items()},
         times=times,
-        peak_rss_mib=_peak_rss_mib(),
+        peak_rss_mib=_common.peak_rss_mib(),
         peak_rss_note=f"whole process, frameworks loaded: {args.framework}",
-        cpu_watch=watch.report(),
+        cpu_watch=watch.result(detail=True),
         versions=dict(jax=jax.__version__, torch=torch.__version__, transformers=transformers.__version__,
                       python=platform.python_version()),
         nproc=os.cpu_count(),
@@ -214,8 +165,7 @@ def main(argv=None):
                                                    / result["stats"]["jax"]["median_s"])
     print(_markdown(result))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        _common.write_json(args.out, "train_step.json", result)
     return result
 
 
