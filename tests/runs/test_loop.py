@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -94,16 +95,23 @@ def test_sigterm_saves_a_restorable_checkpoint_and_exits_cleanly(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jaxrlhf.train", f"--config={REPO}/configs/addition_grpo.py:tiny",
            f"--workdir={workdir}", "--config.sft.steps=100000", "--config.train.checkpoint_every=100000"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         metrics = workdir / "metrics.jsonl"
-        for line in proc.stdout:  # wait until training steps are being logged
+        deadline = time.monotonic() + 300
+        # Poll the metrics file: training prints nothing to the terminal while it runs.
+        while proc.poll() is None and time.monotonic() < deadline:
             if metrics.exists() and metrics.read_text().count("\n") >= 3:
                 break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         proc.kill()
+    out = log.read_text()
     assert proc.returncode == 0, out[-2000:]
     step = Checkpointer(workdir / "sft").latest_step()
     assert step is not None and step >= 3
