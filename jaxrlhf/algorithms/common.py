@@ -178,6 +178,41 @@ def accumulate_gradients(
     return loss, metrics, grads
 
 
+def make_row_mean_step(
+    loss_fn: Callable[[PyTree, PyTree], tuple[jax.Array, dict]],
+    tx: optax.GradientTransformation,
+    *,
+    keys: tuple[str, ...],
+    num_microbatches: int,
+    check: Callable[[PyTree], None] | None = None,
+):
+    """`step(state, batch, rng) -> (state, metrics)` for a loss that is a mean over rows.
+
+    `loss_fn(params, batch) -> (loss, metrics)` (e.g. DPO or Bradley–Terry over pairs). Each
+    micro-batch's mean is weighted by its share of the rows, so accumulation reproduces the
+    full-batch loss exactly; a non-finite update is skipped (`apply_if_finite`). Only
+    `keys` of the batch enter the step; `check(batch)` validates it first. Metrics: those
+    of `loss_fn` (averaged over micro-batches), `loss`, `grad_norm`, `finite`.
+    """
+    def step(state: TrainState, batch: PyTree, rng: jax.Array):
+        del rng
+        if check is not None:
+            check(batch)
+        total_rows = batch[keys[0]].shape[0]
+
+        def micro_loss(params, mb, index):
+            del index
+            loss, metrics = loss_fn(params, mb)
+            return loss * (mb[keys[0]].shape[0] / total_rows), metrics
+
+        loss, metrics, grads = accumulate_gradients(micro_loss, state.params, {k: batch[k] for k in keys},
+                                                    num_microbatches=num_microbatches)
+        new_state, finite = apply_if_finite(state, grads, tx, loss)
+        return new_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
+
+    return step
+
+
 def apply_if_finite(state: TrainState, grads, tx: optax.GradientTransformation, loss) -> tuple[TrainState, jax.Array]:
     """`(state.apply_gradients(grads, tx), True)`, or `(state, False)` unchanged — params,
     optimizer state and step — when the loss or any gradient is NaN/Inf, so that the

@@ -23,6 +23,7 @@ log-probs are sums over response tokens (`ops.sequence_logprobs`) and the loss i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -191,26 +192,9 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: D
     clipping) and `finite`; when `finite` is False the update is skipped.
     """
     n = cfg.num_microbatches
-
-    def step(state: common.TrainState, batch: Batch, rng: jax.Array):
-        del rng
-        check_pairs(batch, num_microbatches=n)
-        total_pairs = batch["prompt_ids"].shape[0]
-
-        def micro_loss(params, mb, index):
-            del index
-            loss, metrics = loss_fn(params, mb, model=model, cfg=cfg)
-            # A mean over pairs: each micro-batch weighs (its pairs) / (all pairs).
-            scale = common.accumulation_scale(mb["prompt_mask"], mode="seq-mean-token-mean",
-                                              total_tokens=jnp.float32(0), total_seqs=total_pairs)
-            return loss * scale, metrics
-
-        loss, metrics, grads = common.accumulate_gradients(
-            micro_loss, state.params, {k: batch[k] for k in PAIR_KEYS + REF_KEYS}, num_microbatches=n)
-        new_state, finite = common.apply_if_finite(state, grads, tx, loss)
-        return new_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
-
-    return step
+    return common.make_row_mean_step(functools.partial(loss_fn, model=model, cfg=cfg), tx,
+                                     keys=PAIR_KEYS + REF_KEYS, num_microbatches=n,
+                                     check=lambda batch: check_pairs(batch, num_microbatches=n))
 
 
 def jit_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: DPOConfig):

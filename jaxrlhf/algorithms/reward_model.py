@@ -21,6 +21,7 @@ forward pass of `2B` rows; the loss is `ops.reward_model_loss` = mean of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -146,27 +147,10 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: R
     skipped.
     """
     _check_score_model(model)
-    n = cfg.num_microbatches
     keys = PAIR_KEYS + (("margin",) if cfg.use_margin else ())
-
-    def step(state: common.TrainState, batch: Batch, rng: jax.Array):
-        del rng
-        _check_batch(batch, cfg)
-        total_pairs = batch["prompt_ids"].shape[0]
-
-        def micro_loss(params, mb, index):
-            del index
-            loss, metrics = loss_fn(params, mb, model=model, cfg=cfg)
-            scale = common.accumulation_scale(mb["prompt_mask"], mode="seq-mean-token-mean",
-                                              total_tokens=jnp.float32(0), total_seqs=total_pairs)
-            return loss * scale, metrics
-
-        loss, metrics, grads = common.accumulate_gradients(
-            micro_loss, state.params, {k: batch[k] for k in keys}, num_microbatches=n)
-        new_state, finite = common.apply_if_finite(state, grads, tx, loss)
-        return new_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
-
-    return step
+    return common.make_row_mean_step(functools.partial(loss_fn, model=model, cfg=cfg), tx, keys=keys,
+                                     num_microbatches=cfg.num_microbatches,
+                                     check=lambda batch: _check_batch(batch, cfg))
 
 
 def jit_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: RewardModelConfig):
