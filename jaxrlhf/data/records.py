@@ -161,9 +161,29 @@ def _check_options(on_error: str, chat_template: bool, tokenizer: Any) -> None:
             f"chat_template=True but the tokenizer ({type(tokenizer).__name__}) has no chat template")
 
 
-def _finish(report: SkipReport, source: str) -> None:
+def _collect(records: Records, parse: Any, *, on_error: str, source: str):
+    """`(columns, report)` of the rows `parse(record, location) -> {column: value}` accepts.
+
+    A record that is itself a reading error, or whose `parse` raises `DataError`, stops
+    the run (`on_error="raise"`) or is counted in the report and skipped.
+    """
+    report = SkipReport()
+    cols = collections.defaultdict(list)
+    for location, record in records:
+        try:
+            if isinstance(record, DataError):
+                raise record
+            row = parse(record, location)
+        except DataError as e:
+            if on_error == "raise":
+                raise
+            report.add(e)
+            continue
+        for key, value in row.items():
+            cols[key].append(value)
     if report.total:
         log.warning("%s: %s", source, report)
+    return cols, report
 
 
 def prompts_from_records(
@@ -185,28 +205,16 @@ def prompts_from_records(
     add_generation_prompt=True)`. An answer is a non-empty string or a number (kept as text).
     """
     _check_options(on_error, chat_template, tokenizer)
-    report = SkipReport()
-    cols = collections.defaultdict(list)
-    for location, record in records:
-        try:
-            if isinstance(record, DataError):
-                raise record
-            text, ids = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
-                                chat_template=chat_template, system_prompt=system_prompt,
-                                max_tokens=max_prompt_tokens)
-            answer = None
-            if answer_key is not None:
-                answer = _text(_field(record, answer_key, location), answer_key, location, numbers_ok=True)
-        except DataError as e:
-            if on_error == "raise":
-                raise
-            report.add(e)
-            continue
-        cols["prompt_text"].append(text)
-        cols["prompt_ids"].append(ids)
-        cols["answer"].append(answer)
-        cols["location"].append(location)
-    _finish(report, source)
+
+    def parse(record, location):
+        text, ids = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
+                            chat_template=chat_template, system_prompt=system_prompt, max_tokens=max_prompt_tokens)
+        answer = None
+        if answer_key is not None:
+            answer = _text(_field(record, answer_key, location), answer_key, location, numbers_ok=True)
+        return dict(prompt_text=text, prompt_ids=ids, answer=answer, location=location)
+
+    cols, report = _collect(records, parse, on_error=on_error, source=source)
     return PromptData(**{f: cols[f] for f in PromptData._fields if f != "skipped"}, skipped=report)
 
 
@@ -226,31 +234,17 @@ def pairs_from_records(
 ) -> PairData:
     """Validates and tokenizes preference-pair records (prompt, chosen, rejected strings)."""
     _check_options(on_error, chat_template, tokenizer)
-    report = SkipReport()
-    cols = collections.defaultdict(list)
-    for location, record in records:
-        try:
-            if isinstance(record, DataError):
-                raise record
-            text, ids = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
-                                chat_template=chat_template, system_prompt=system_prompt,
-                                max_tokens=max_prompt_tokens)
-            responses = {}
-            for name, key in (("chosen", chosen_key), ("rejected", rejected_key)):
-                resp = _text(_field(record, key, location), key, location)
-                resp_ids = _encode_or_error(tokenizer, resp, key, location, add_special_tokens=False)
-                _check_len(resp_ids, max_response_tokens, key, location, "max_response_tokens")
-                responses[name] = (resp, resp_ids)
-        except DataError as e:
-            if on_error == "raise":
-                raise
-            report.add(e)
-            continue
-        cols["prompt_text"].append(text)
-        cols["prompt_ids"].append(ids)
-        for name, (resp, resp_ids) in responses.items():
-            cols[f"{name}_text"].append(resp)
-            cols[f"{name}_ids"].append(resp_ids)
-        cols["location"].append(location)
-    _finish(report, source)
+
+    def parse(record, location):
+        text, ids = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
+                            chat_template=chat_template, system_prompt=system_prompt, max_tokens=max_prompt_tokens)
+        row = dict(prompt_text=text, prompt_ids=ids, location=location)
+        for name, key in (("chosen", chosen_key), ("rejected", rejected_key)):
+            resp = _text(_field(record, key, location), key, location)
+            resp_ids = _encode_or_error(tokenizer, resp, key, location, add_special_tokens=False)
+            _check_len(resp_ids, max_response_tokens, key, location, "max_response_tokens")
+            row.update({f"{name}_text": resp, f"{name}_ids": resp_ids})
+        return row
+
+    cols, report = _collect(records, parse, on_error=on_error, source=source)
     return PairData(**{f: cols[f] for f in PairData._fields if f != "skipped"}, skipped=report)
