@@ -140,6 +140,20 @@ def split_microbatches(batch: PyTree, num: int) -> PyTree:
     return jax.tree.map(split, batch)
 
 
+def metric_reduction(name: str) -> str:
+    """How a metric combines over micro-batches or steps: "max", "min" or "mean".
+
+    Extremes must stay extremes (a mean of per-chunk maxima understates the worst ratio):
+    names ending in `_max` (and `logp_mismatch`, a max by definition) are maxed, names
+    ending in `_min` minimised; everything else is averaged.
+    """
+    if name.endswith("_max") or name == "logp_mismatch":
+        return "max"
+    if name.endswith("_min"):
+        return "min"
+    return "mean"
+
+
 def accumulate_gradients(
     loss_fn: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, dict]],
     params: PyTree,
@@ -151,7 +165,8 @@ def accumulate_gradients(
 
     `loss_fn(params, microbatch, index)` must already weight its loss as its share of the
     full batch (see `accumulation_scale`), so that the sum is the full-batch loss. Metrics
-    are averaged over micro-batches.
+    are averaged over micro-batches, except extremes (`metric_reduction`): `*_max` are
+    maxed and `*_min` minimised, so they equal the full batch's.
 
     Returns: `(loss, metrics, grads)`.
     """
@@ -160,19 +175,20 @@ def accumulate_gradients(
         (loss, metrics), grads = grad_fn(params, batch, jnp.int32(0))
         return loss, metrics, grads
     micro = split_microbatches(batch, num_microbatches)
+    combine = {"max": jnp.maximum, "min": jnp.minimum, "mean": lambda a, m: a + m / num_microbatches}
 
     def body(carry, xs):
         loss_acc, metrics_acc, grads_acc = carry
         index, mb = xs
         (loss, metrics), grads = grad_fn(params, mb, index)
-        return (loss_acc + loss,
-                jax.tree.map(lambda a, m: a + m / num_microbatches, metrics_acc, metrics),
-                jax.tree.map(jnp.add, grads_acc, grads)), None
+        metrics = {k: combine[metric_reduction(k)](metrics_acc[k], v) for k, v in metrics.items()}
+        return (loss_acc + loss, metrics, jax.tree.map(jnp.add, grads_acc, grads)), None
 
     first_mb = jax.tree.map(lambda x: x[0], micro)
     metrics_shape = jax.eval_shape(lambda: loss_fn(params, first_mb, jnp.int32(0))[1])
+    start = {"max": -jnp.inf, "min": jnp.inf, "mean": 0}
     init = (jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape),
+            {k: jnp.full(s.shape, start[metric_reduction(k)], s.dtype) for k, s in metrics_shape.items()},
             jax.tree.map(jnp.zeros_like, params))
     (loss, metrics, grads), _ = jax.lax.scan(body, init, (jnp.arange(num_microbatches), micro))
     return loss, metrics, grads

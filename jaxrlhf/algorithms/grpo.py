@@ -384,10 +384,6 @@ def loss_fn(
 
 # --------------------------------------------------------------------------- update
 
-_REDUCE_MAX = ("ratio_max", "logp_mismatch")
-_REDUCE_MIN = ("ratio_min",)
-
-
 def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer,
            tx: optax.GradientTransformation, cfg: GRPOConfig) -> tuple[GRPOState, dict]:
     """μ passes × `num_minibatches` optimizer steps on one rollout batch, in one `lax.scan`.
@@ -426,15 +422,11 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     policy, stacked = jax.lax.scan(step, state.policy, index)
     metrics = {}
     for name, values in stacked.items():
-        if name in _REDUCE_MAX:
-            metrics[name] = jnp.max(values)
-        elif name in _REDUCE_MIN:
-            metrics[name] = jnp.min(values)
-        elif name == "finite":
+        if name == "finite":
             metrics[name] = jnp.all(values)
             metrics["skipped_steps"] = jnp.sum(~values)
         else:
-            metrics[name] = jnp.mean(values)
+            metrics[name] = getattr(jnp, common.metric_reduction(name))(values)
     metrics["first/ratio_max"] = stacked["ratio_max"][0]
     metrics["first/ratio_min"] = stacked["ratio_min"][0]
     return state.replace(policy=policy), metrics

@@ -42,6 +42,7 @@ from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
     accumulation_scale,
+    metric_reduction,
     response_hidden,
     response_logprobs,
     skip_unless,
@@ -614,8 +615,8 @@ def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, tota
 
     The metrics are weighted too, so that `accumulate_gradients`' plain mean over
     micro-batches gives the minibatch's values: losses by the same share as the loss,
-    token means by the micro-batch's share of tokens. (`ratio_min/max` stay a mean of
-    micro-batch extremes.)
+    token means by the micro-batch's share of tokens. (`ratio_min/max` are extremes,
+    which `accumulate_gradients` combines as such.)
     """
     loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg)
     mask = batch["response_mask"]
@@ -680,9 +681,7 @@ def update(
         return (new_actor, new_critic), metrics
 
     (actor, critic), per_step = jax.lax.scan(step, (state.actor, state.critic), index)
-    metrics = {key: jnp.mean(v) for key, v in per_step.items() if key != "finite"}
-    metrics["ratio_min"] = jnp.min(per_step["ratio_min"])
-    metrics["ratio_max"] = jnp.max(per_step["ratio_max"])
+    metrics = {key: getattr(jnp, metric_reduction(key))(v) for key, v in per_step.items() if key != "finite"}
     metrics["finite"] = jnp.all(per_step["finite"])
     metrics["skipped_updates"] = jnp.sum(~per_step["finite"]).astype(jnp.int32)
     for key in _FIRST:

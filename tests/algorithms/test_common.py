@@ -51,9 +51,13 @@ def test_accumulation_4x4_equals_1x16_for_every_aggregation(mode):
         scale = common.accumulation_scale(mb["mask"], mode=mode, total_tokens=total_tokens, total_seqs=16)
         return loss * scale, metrics
 
-    full_loss, _, full_grads = common.accumulate_gradients(loss_fn, PARAMS, batch, num_microbatches=1)
-    acc_loss, _, acc_grads = common.accumulate_gradients(loss_fn, PARAMS, batch, num_microbatches=4)
+    full_loss, full_m, full_grads = common.accumulate_gradients(loss_fn, PARAMS, batch, num_microbatches=1)
+    acc_loss, acc_m, acc_grads = common.accumulate_gradients(loss_fn, PARAMS, batch, num_microbatches=4)
     np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-5)
+    # Extremes stay extremes: the worst ratio of any micro-batch is the batch's worst ratio.
+    np.testing.assert_allclose([acc_m["ratio_max"], acc_m["ratio_min"]], [full_m["ratio_max"], full_m["ratio_min"]],
+                               rtol=1e-6)
+    assert float(full_m["ratio_max"]) > float(full_m["ratio_min"]) + 1e-3
     for g1, g4 in zip(jax.tree.leaves(full_grads), jax.tree.leaves(acc_grads)):
         np.testing.assert_allclose(g4, g1, rtol=2e-4, atol=1e-7)
     # The plain mean of micro-batch token-means weighs tokens unequally: the weighting matters.
