@@ -58,6 +58,19 @@ def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", **extra):
     return getattr(transformers, cls_name)(cfg).eval()
 
 
+def word_tokenizer(padding_side: str = "right"):
+    """WORKLOAD.md tokenizer for the trainers that want text: word level, `"t17 t300"` <->
+    `[17, 300]`, ids 0..3 are `<pad> <bos> <eos> <unk>`, no special tokens added."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side=padding_side)
+
+
 def summary(times, count_key: str = "runs") -> dict:
     """min/median/max of wall seconds measured elsewhere, and how many there are (under `count_key`)."""
     times = [float(t) for t in times]

@@ -38,7 +38,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import CpuWatch, hf_llama, load_workload, peak_rss_mib, summary, timed, write_json  # noqa: E402
+from _common import (CpuWatch, hf_llama, load_workload, peak_rss_mib, summary, timed, word_tokenizer,  # noqa: E402
+                     write_json)
 
 B, P, T = 16, 32, 64
 BETA, LR = 0.1, 1e-5
@@ -103,17 +104,6 @@ def run_jax(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
 # --------------------------------------------------------------------------- TRL
 
 
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>")
-
-
 def run_trl(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
     import datasets
     import torch
@@ -122,7 +112,7 @@ def run_trl(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
 
     torch.set_num_threads(2)
     model = transformers.LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
-    tokenizer = _word_tokenizer()
+    tokenizer = word_tokenizer()
 
     def text(ids):
         return " ".join("<eos>" if int(t) == EOS else f"t{int(t)}" for t in ids)

@@ -124,26 +124,14 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
 # --------------------------------------------------------------------------- TRL
 
 
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
-
-
 def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing):
     import datasets
-    import torch
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
     model = transformers.LlamaForCausalLM(_common.hf_llama_config(attn_implementation="sdpa"))
     model.load_state_dict(tm_state_dict)
-    tokenizer = _word_tokenizer()
+    tokenizer = _common.word_tokenizer(padding_side="left")
     prompts = [" ".join(f"t{int(t)}" for t in row) for row in prompts_64x32]
     assert tokenizer(prompts[0])["input_ids"] == [int(t) for t in prompts_64x32[0]]
     dataset = datasets.Dataset.from_dict({"prompt": prompts})
@@ -160,7 +148,7 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing)
             gen_times.append(time.perf_counter() - t0)
             return out
 
-    step_times, lengths = [], []
+    step_times = []
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):

@@ -109,20 +109,6 @@ def run_jaxrlhf(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> 
 # TRL (subprocess)
 
 
-def _word_tokenizer():
-    """WORKLOAD.md tokenizer: word level, `t17 t300` <-> [17, 300], ids 0..3 special."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({f"t{i}": i for i in range(4, 512)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>")
-
-
 def trl_worker(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> dict:
     import torch
 
@@ -141,7 +127,7 @@ def trl_worker(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> d
     for m in (policy, ref):
         m.generation_config.eos_token_id = None  # no stop: EOS is an ordinary token here
         m.config.eos_token_id = None
-    tokenizer = _word_tokenizer()
+    tokenizer = _common.word_tokenizer()
     updates = warmup + repeats
     ds = Dataset.from_dict({"input_ids": [list(map(int, r)) for r in prompts]})
     with tempfile.TemporaryDirectory() as tmp:
