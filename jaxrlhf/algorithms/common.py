@@ -5,6 +5,7 @@ and gradient accumulation that never changes the loss normalisation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import ops
-from jaxrlhf.models.transformer import Transformer, project_logits
+from jaxrlhf.models.transformer import Transformer, init_cache, project_logits
 
 PyTree = Any
 
@@ -77,16 +78,57 @@ def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, opta
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw), schedule
 
 
-def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_BxL, prompt_len: int):
+def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_BxL, prompt_len: int, *,
+                    group_size: int = 1):
     """Hidden states (and scalar-head values) aligned with the response tokens.
 
     Response token `t` sits at `P + t`; the state that predicts it (its logits, and the
     critic's `V_t` of SPEC §4) is at `P + t − 1`. Returns `(hidden [B, T, D], values [B, T]
     or None)`.
+
+    `group_size = G > 1` declares that rows come in groups of G consecutive rows with the
+    same prompt (the layout of `num_samples = G` rollouts): each prompt then runs once and
+    its G responses attend to its keys and values (`shared_prompt_hidden`), the same
+    numbers up to float rounding with `(P + T)·G → P + T·G` tokens through the layers.
     """
+    if group_size > 1:
+        b = sequences_BxL.shape[0]
+        if b % group_size:
+            raise ValueError(f"response_hidden: {b} rows do not split into groups of group_size={group_size}")
+        p = prompt_len
+        return shared_prompt_hidden(
+            model, params, sequences_BxL[::group_size, :p], attention_mask_BxL[::group_size, :p],
+            sequences_BxL[:, p:], attention_mask_BxL[:, p:], expand=lambda x: jnp.repeat(x, group_size, axis=0))
     out = model.apply({"params": params}, sequences_BxL, attention_mask_BxL, compute_logits=False)
     hidden = out.hidden[:, prompt_len - 1:-1]
     values = None if out.values is None else out.values[:, prompt_len - 1:-1]
+    return hidden, values
+
+
+def shared_prompt_hidden(model: Transformer, params, prompt_ids_BxP, prompt_mask_BxP, response_ids_NxT,
+                         response_mask_NxT, *, expand: Callable[[jax.Array], jax.Array]):
+    """`response_hidden` for N responses to B < N prompts, running each prompt once.
+
+    The prompts (left-padded) fill the first P slots of a KV cache; `expand` maps any
+    `[B, ...]` prompt-side array to the N response rows (`jnp.repeat(x, G, 0)` for groups
+    of G, `jnp.concatenate([x, x])` for DPO's chosen-then-rejected rows); the responses then
+    run on the expanded cache. Differentiable like the plain forward pass.
+
+    Returns `(hidden [N, T, D], values [N, T] or None)`, aligned as in `response_hidden`.
+    """
+    b, p = prompt_ids_BxP.shape
+    t = response_ids_NxT.shape[1]
+    apply = functools.partial(model.apply, {"params": params}, compute_logits=False)
+    prompt_mask_BxP = prompt_mask_BxP.astype(bool)
+    slots_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, t), bool)], axis=1)
+    pre = apply(prompt_ids_BxP, slots_BxS, cache=init_cache(model.config, b, p + t), cache_index=0)
+    attn_NxS = jnp.concatenate([expand(prompt_mask_BxP), response_mask_NxT.astype(bool)], axis=1)
+    out = apply(response_ids_NxT, attn_NxS, cache=jax.tree.map(expand, pre.cache), cache_index=p)
+    # The last prompt token's state predicts response token 0.
+    hidden = jnp.concatenate([expand(pre.hidden[:, -1:]), out.hidden[:, :-1]], axis=1)
+    values = None
+    if out.values is not None:
+        values = jnp.concatenate([expand(pre.values[:, -1:]), out.values[:, :-1]], axis=1)
     return hidden, values
 
 
@@ -99,6 +141,7 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    group_size: int = 1,
 ):
     """Per-token log-probs (and entropy) of the response part of `sequences`.
 
@@ -106,11 +149,14 @@ def response_logprobs(
       sequences_BxL: prompt ⧺ response, `L = P + T`, prompt left-padded.
       attention_mask_BxL: 1 on real tokens.
       prompt_len: P (static).
+      group_size: G > 1 when rows come in groups of G with the same prompt: each prompt
+        runs once (see `response_hidden`).
 
     Returns: `(logp [B, T], entropy [B, T] or None, values [B, T] or None)`, float32; the
       LM head is applied only to the `T` response-predicting positions.
     """
-    hidden_BxTxD, values = response_hidden(model, params, sequences_BxL, attention_mask_BxL, prompt_len)
+    hidden_BxTxD, values = response_hidden(model, params, sequences_BxL, attention_mask_BxL, prompt_len,
+                                           group_size=group_size)
     logits_BxTxV = project_logits(model.config, params, hidden_BxTxD)
     targets_BxT = sequences_BxL[:, prompt_len:]
     logp = ops.token_logprobs(logits_BxTxV, targets_BxT, temperature=temperature)

@@ -10,9 +10,10 @@ A batch holds B preference pairs (`data.preference_batch`, `data.preference_arra
 
 The reference never runs inside the train step: `precompute_reference_logprobs` adds the
 two `ref_*_logp` columns to the whole dataset once. The policy scores chosen and rejected
-in one forward pass over `2B` rows (prompt ⧺ chosen, then prompt ⧺ rejected); sequence
-log-probs are sums over response tokens (`ops.sequence_logprobs`) and the loss is
-`ops.dpo_loss` (SPEC §5: sigmoid with label smoothing, ipo, hinge).
+in one forward pass over `2B` rows (prompt ⧺ chosen, then prompt ⧺ rejected), running
+each prompt once for both (`common.shared_prompt_hidden`); sequence log-probs are sums
+over response tokens (`ops.sequence_logprobs`) and the loss is `ops.dpo_loss` (SPEC §5:
+sigmoid with label smoothing, ipo, hinge).
 
     data = precompute_reference_logprobs(model, ref_params, preference_arrays)
     state = init_state(params, tx)
@@ -33,7 +34,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import common
-from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.models.transformer import Transformer, project_logits
 from jaxrlhf.ops._losses import DPO_LOSS_TYPES
 
 PyTree = Any
@@ -124,10 +125,22 @@ def pair_sequences(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array, int]:
     return sequences, attention_mask, response_mask, prompt_ids.shape[1]
 
 
-def pair_logprobs(model: Transformer, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Sequence log-probs `(chosen [B], rejected [B])` in one forward pass of `2B` rows."""
+def pair_logprobs(model: Transformer, params, batch: Batch, *, share_prompt: bool = True
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Sequence log-probs `(chosen [B], rejected [B])` in one forward pass of `2B` rows.
+
+    With `share_prompt` (default) each prompt runs once and both of its responses attend
+    to its keys and values (`common.shared_prompt_hidden`): the same numbers up to float
+    rounding, `2(P + T) → P + 2T` tokens per pair through the layers.
+    """
     sequences, attention_mask, response_mask, p = pair_sequences(batch)
-    logp_2BxT, _, _ = common.response_logprobs(model, params, sequences, attention_mask, p)
+    if share_prompt:
+        hidden, _ = common.shared_prompt_hidden(
+            model, params, batch["prompt_ids"], batch["prompt_mask"], sequences[:, p:], response_mask,
+            expand=lambda x: jnp.concatenate([x, x]))
+        logp_2BxT = ops.token_logprobs(project_logits(model.config, params, hidden), sequences[:, p:])
+    else:
+        logp_2BxT, _, _ = common.response_logprobs(model, params, sequences, attention_mask, p)
     seq_logp_2B = ops.sequence_logprobs(logp_2BxT, response_mask)
     b = batch["prompt_ids"].shape[0]
     return seq_logp_2B[:b], seq_logp_2B[b:]

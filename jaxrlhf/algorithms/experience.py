@@ -9,6 +9,7 @@ function that can run inside the same jit as the update.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -55,10 +56,12 @@ class Experience(NamedTuple):
         return self.sequences.shape[1] - self.response_ids.shape[1]
 
 
-def score_responses(model: Transformer, params, sequences, attention_mask, prompt_len: int, *, temperature: float):
-    """`logp [N, T]` of the response tokens under `params` (no gradient needed)."""
+def score_responses(model: Transformer, params, sequences, attention_mask, prompt_len: int, *, temperature: float,
+                    group_size: int = 1):
+    """`logp [N, T]` of the response tokens under `params` (no gradient needed); with
+    `group_size = G`, rows are groups of G sharing a prompt, which then runs once."""
     logp, _, _ = response_logprobs(model, jax.lax.stop_gradient(params), sequences, attention_mask, prompt_len,
-                                   temperature=temperature)
+                                   temperature=temperature, group_size=group_size)
     return logp
 
 
@@ -83,10 +86,9 @@ def generate_experience(
                  temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                  eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples)
     p = prompt_ids.shape[1]
-    old_logp = score_responses(model, params, out.sequences, out.attention_mask, p, temperature=sampling.temperature)
-    ref_logp = None
-    if ref_params is not None:
-        ref_logp = score_responses(model, ref_params, out.sequences, out.attention_mask, p,
-                                   temperature=sampling.temperature)
+    score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
+                              prompt_len=p, temperature=sampling.temperature, group_size=sampling.num_samples)
+    old_logp = score(params)
+    ref_logp = None if ref_params is None else score(ref_params)
     return Experience(out.sequences, out.attention_mask, out.response_ids, out.response_mask, old_logp,
                       out.logprobs, ref_logp)

@@ -84,6 +84,12 @@ class GRPOConfig:
       overlong_max_len, overlong_cache: DAPO's soft overlong penalty in tokens
         (`overlong_penalty`); None turns it off.
       overlong_coef: weight of that penalty, added to the score before advantages.
+      share_prompt: run each group's prompt once in the scoring and training forward
+        passes, its G responses on the prompt's keys and values (`common.response_hidden`
+        with `group_size=G`): the same numbers up to float rounding, `(P + T)·G → P + T·G`
+        tokens through the layers. Used wherever rows stay in whole groups: always for the
+        rollout's scoring, and in the update when `num_minibatches == 1` (a shuffled
+        minibatch mixes groups) and G divides each micro-batch.
     """
 
     sampling: SamplingConfig
@@ -106,6 +112,7 @@ class GRPOConfig:
     overlong_max_len: int | None = None
     overlong_cache: int = 0
     overlong_coef: float = 1.0
+    share_prompt: bool = True
 
     def __post_init__(self):
         def fail(msg):
@@ -156,6 +163,12 @@ class GRPOConfig:
     @property
     def loss_norm_len(self) -> int:
         return self.sampling.max_new_tokens if self.norm_len is None else self.norm_len
+
+    def prompt_group(self, rows: int, *, shuffled: bool = False) -> int:
+        """The `group_size` for a forward pass over `rows` rows (1: no prompt sharing)."""
+        g = self.group_size
+        share = self.share_prompt and g > 1 and not shuffled and rows % g == 0
+        return g if share else 1
 
     @property
     def reuses_rollout_logp(self) -> bool:
@@ -340,6 +353,7 @@ def loss_fn(
     model: Transformer,
     total_tokens: jax.Array | None = None,
     total_seqs: int | None = None,
+    group_size: int = 1,
 ) -> tuple[jax.Array, dict]:
     """The GRPO-family loss of one (micro)batch:
 
@@ -356,7 +370,8 @@ def loss_fn(
     p = batch.sequences.shape[1] - batch.response_mask.shape[1]
     mask = batch.response_mask.astype(bool)
     logp, ent, _ = common.response_logprobs(model, params, batch.sequences, batch.attention_mask, p,
-                                            temperature=cfg.sampling.temperature, with_entropy=True)
+                                            temperature=cfg.sampling.temperature, with_entropy=True,
+                                            group_size=group_size)
     old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
     ratio_logp = importance_logp(logp, old_logp, mask, level=cfg.ratio_level)
     agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len)
@@ -414,7 +429,7 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
         mb = batch if m == 1 else jax.tree.map(lambda x: x[idx], batch)
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
-                                       total_seqs=mb_size)
+                                       total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1))
         loss, metrics, grads = common.accumulate_gradients(chunk_loss, policy.params, mb, num_microbatches=k)
         policy, finite = common.apply_if_finite(policy, grads, tx, loss)
         return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
@@ -432,9 +447,10 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     return state.replace(policy=policy), metrics
 
 
-def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs):
+def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, group_size):
     del index
-    return loss_fn(params, chunk, cfg, model=model, total_tokens=total_tokens, total_seqs=total_seqs)
+    return loss_fn(params, chunk, cfg, model=model, total_tokens=total_tokens, total_seqs=total_seqs,
+                   group_size=group_size)
 
 
 # --------------------------------------------------------------------------- iteration
@@ -511,12 +527,10 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
 
     p = out.sequences.shape[1] - mask.shape[1]
     temp = cfg.sampling.temperature
-    old_logp = None
-    if not cfg.reuses_rollout_logp:
-        old_logp = score_responses(model, state.policy.params, out.sequences, out.attention_mask, p, temperature=temp)
-    ref_logp = None
-    if cfg.beta > 0:
-        ref_logp = score_responses(model, state.ref_params, out.sequences, out.attention_mask, p, temperature=temp)
+    score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
+                              prompt_len=p, temperature=temp, group_size=cfg.prompt_group(n))
+    old_logp = None if cfg.reuses_rollout_logp else score(state.policy.params)
+    ref_logp = score(state.ref_params) if cfg.beta > 0 else None
     batch = Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs)
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(state.policy.step), jnp.float32)

@@ -79,3 +79,34 @@ def test_schedule_and_optimizer():
 def test_tree_finite():
     assert common.tree_finite({"a": jnp.ones(3)})
     assert not common.tree_finite({"a": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2, jnp.int32)})
+
+
+def _grouped_batch(rng, prompts=3, g=4, p=4, t=5):
+    """`prompts` left-padded prompts, each repeated for its `g` right-padded responses."""
+    seq, attn, rmask = _batch(rng, b=prompts * g, p=p, t=t)
+    seq = seq.at[:, :p].set(jnp.repeat(seq[::g, :p], g, axis=0))
+    attn = attn.at[:, :p].set(jnp.repeat(attn[::g, :p], g, axis=0))
+    return seq, attn, rmask
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_shared_prompt_forward_equals_the_full_forward(remat):
+    """Each group's prompt run once: same log-probs, entropy, values and gradients."""
+    model = Transformer(CFG.replace(remat=remat), head="lm_value")
+    seq, attn, rmask = _grouped_batch(np.random.default_rng(3))
+
+    def loss(params, group_size):
+        logp, ent, values = common.response_logprobs(model, params, seq, attn, 4, temperature=0.7,
+                                                     with_entropy=True, group_size=group_size)
+        outs = [jnp.where(rmask, x, 0.0) for x in (logp, ent, values)]
+        return sum(jnp.sum(o * w) for o, w in zip(outs, (1.0, 0.3, 0.1))), outs
+
+    (l1, full), g1 = jax.value_and_grad(loss, has_aux=True)(PARAMS, 1)
+    (l4, shared), g4 = jax.value_and_grad(loss, has_aux=True)(PARAMS, 4)
+    for a, b in zip(full, shared):
+        np.testing.assert_allclose(b, a, atol=2e-6)
+    np.testing.assert_allclose(l4, l1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="do not split into groups of group_size=5"):
+        common.response_logprobs(model, PARAMS, seq, attn, 4, group_size=5)

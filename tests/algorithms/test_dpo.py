@@ -193,3 +193,18 @@ def test_bad_input_gives_clear_errors():
         step(state, dict(batch, rejected_ids=batch["rejected_ids"][:4], rejected_mask=batch["rejected_mask"][:4]), RNG)
     with pytest.raises(ValueError, match=r"ref_chosen_logp must be \[B\]"):
         step(state, dict(batch, ref_chosen_logp=batch["ref_chosen_logp"][:3]), RNG)
+
+
+def test_shared_prompt_equals_two_full_forward_passes():
+    batch = {k: jnp.asarray(v) for k, v in _pairs(np.random.default_rng(5), extra_prompt_pad=2).items()}
+
+    def total(params, share):
+        c, r = dpo.pair_logprobs(MODEL, params, batch, share_prompt=share)
+        return jnp.sum(c) - 0.5 * jnp.sum(r), (c, r)
+
+    (l1, (c1, r1)), g1 = jax.value_and_grad(total, has_aux=True)(PARAMS, False)
+    (l2, (c2, r2)), g2 = jax.value_and_grad(total, has_aux=True)(PARAMS, True)
+    np.testing.assert_allclose(c2, c1, rtol=1e-5)
+    np.testing.assert_allclose(r2, r1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

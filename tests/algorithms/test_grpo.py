@@ -30,7 +30,8 @@ def target_fraction(ids, mask, extras):
 
 
 _score = jax.jit(lambda params, seq, attn: score_responses(MODEL, params, seq, attn, P, temperature=0.8))
-_value_and_grad = jax.jit(jax.value_and_grad(grpo.loss_fn, has_aux=True), static_argnames=("cfg", "model"))
+_value_and_grad = jax.jit(jax.value_and_grad(grpo.loss_fn, has_aux=True), static_argnames=("cfg", "model",
+                                                                                          "group_size"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,8 +61,17 @@ def _cfg(**kw):
 LOSS_CFG = _cfg(beta=0.1, entropy_coef=0.01, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean")
 
 
-def test_loss_gradient_matches_hand_composed_ops():
-    batch = _batch()
+def _grouped(batch: grpo.Batch, g: int) -> grpo.Batch:
+    """The batch with each group of g rows given its first row's prompt (a rollout's layout)."""
+    seq = batch.sequences.at[:, :P].set(jnp.repeat(batch.sequences[::g, :P], g, axis=0))
+    attn = batch.attention_mask.at[:, :P].set(jnp.repeat(batch.attention_mask[::g, :P], g, axis=0))
+    return batch._replace(sequences=seq, attention_mask=attn)
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_loss_gradient_matches_hand_composed_ops(group_size):
+    """Also with each group's prompt run once (`group_size=4`) against the full forward."""
+    batch = _grouped(_batch(), 4)
     cfg = LOSS_CFG
 
     def reference(params):
@@ -76,7 +86,7 @@ def test_loss_gradient_matches_hand_composed_ops():
         kl = ops.aggregate(ops.kl(logp, batch.ref_logp, estimator="k3"), m, mode="seq-mean-token-mean")
         return pg + 0.1 * kl - 0.01 * ops.aggregate(ent, m, mode="seq-mean-token-mean")
 
-    (loss, metrics), grads = _value_and_grad(PARAMS, batch, cfg, model=MODEL)
+    (loss, metrics), grads = _value_and_grad(PARAMS, batch, cfg, model=MODEL, group_size=group_size)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(PARAMS)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
