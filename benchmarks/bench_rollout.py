@@ -2,6 +2,11 @@
 
     python benchmarks/bench_rollout.py            # B = 16 and B = 64, both frameworks
     python benchmarks/bench_rollout.py --quick    # fewer repeats
+    python benchmarks/bench_rollout.py --tunix-python /tmp/venv_tunix/bin/python   # + Tunix
+
+With `--tunix-python`, Google's Tunix sampler runs too, in that interpreter's environment
+(`tunix_rollout_worker.py`; Tunix's own Llama3 at the workload's sizes, same jax), right
+after ours and transformers' for each B, in the same run.
 
 16 prompts x 32 tokens -> exactly 64 new tokens, temperature 1, top-k/top-p off, KV cache on,
 tiny Llama in float32 on the CPU, torch with 2 threads. Both models get the same weights
@@ -33,6 +38,7 @@ def main():
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--tunix-python", default=None, help="a python with google-tunix installed")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
 
@@ -90,6 +96,8 @@ def main():
             if name == "jaxrlhf":
                 t["first_call_s"] = compile_s
             results["runs"].append(t)
+        if args.tunix_python:
+            results["runs"].append(_run_tunix(args.tunix_python, b, warmup, repeats, args.prompts))
     results["peak_rss_mib"] = _common.peak_rss_mib()
 
     print(f"greedy tokens equal: {results['greedy_tokens_equal']}\n")
@@ -100,12 +108,33 @@ def main():
               f"{r['tokens_per_s']:,.0f} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
     for b in args.batch:
         ours = next(r for r in results["runs"] if r["batch"] == b and r["impl"] == "jaxrlhf")
-        theirs = next(r for r in results["runs"] if r["batch"] == b and r["impl"] == "transformers")
-        ratio = theirs["median_s"] / ours["median_s"]
-        results[f"speedup_vs_transformers_B{b}"] = ratio
-        print(f"\nB={b}: jaxrlhf / transformers speed = {ratio:.2f}x")
+        for peer in ("transformers", "tunix"):
+            theirs = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == peer), None)
+            if theirs is not None:
+                ratio = theirs["median_s"] / ours["median_s"]
+                results[f"speedup_vs_{peer}_B{b}"] = ratio
+                print(f"B={b}: jaxrlhf / {peer} speed = {ratio:.2f}x")
     print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
     print("wrote", _common.write_json(args.out, "rollout.json", results))
+
+
+def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str | None) -> dict:
+    """Tunix's sampler on the same workload, in its own interpreter (see the module doc)."""
+    import json
+    import subprocess
+
+    cmd = [python, str(Path(__file__).with_name("tunix_rollout_worker.py")), "--batch", str(batch),
+           "--warmup", str(warmup), "--repeats", str(repeats)] + (["--prompts", prompts] if prompts else [])
+    with _common.CpuWatch() as watch:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if r["new_tokens_per_row"] != [NEW_TOKENS]:
+        raise RuntimeError(f"tunix generated {r['new_tokens_per_row']} tokens per row, expected {NEW_TOKENS}")
+    t = _common.summary(r["times"])
+    # The watch spans the worker's start-up and compile too; its own process is excluded.
+    t.update(watch.result(), impl="tunix", batch=batch, tokens_per_s=batch * NEW_TOKENS / t["median_s"],
+             first_call_s=r["first_call_s"], versions={"tunix": r["tunix"], "jax": r["jax"]})
+    return t
 
 
 if __name__ == "__main__":

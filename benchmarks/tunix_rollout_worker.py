@@ -1,0 +1,84 @@
+"""WORKLOAD.md measurement 1 with Google's Tunix sampler (`tunix.generate.sampler.Sampler`).
+
+Run by `bench_rollout.py --tunix-python PY` in a separate environment that has
+`google-tunix` (its dependencies conflict with none of ours, but it pulls in many):
+
+    python -m venv /tmp/venv_tunix && /tmp/venv_tunix/bin/pip install "jax==<ours>" google-tunix
+    python benchmarks/bench_rollout.py --tunix-python /tmp/venv_tunix/bin/python
+
+The model is Tunix's own `Llama3` with the workload's sizes (vocab 512, hidden 256,
+intermediate 688, 4 layers, 4/2 heads, head_dim 64, RoPE θ 10000) in float32 with its own
+random init: timing does not depend on the weight values. Prompts are the workload's 16
+rows given as word-level text without BOS (32 tokens each); EOS is a forbidden token, so
+every row gets exactly 64 new tokens, as `min_new_tokens=64` does for transformers.
+Prints one JSON line: per-call wall seconds of `sampler(...)` after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--prompts", default=None)
+    args = ap.parse_args()
+
+    import jax
+    import tunix
+    from flax import nnx
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from tunix.generate import sampler as sampler_lib
+    from tunix.models.llama3 import model as llama3
+
+    cfg = llama3.ModelConfig(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=688, num_heads=4, head_dim=64,
+                             num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6)
+    model = llama3.Llama3(cfg, rngs=nnx.Rngs(params=0))
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    sampler = sampler_lib.Sampler(model, tokenizer, sampler_lib.CacheConfig(
+        cache_size=128, num_layers=4, num_kv_heads=2, head_dim=64))
+
+    prompts = np.asarray(_common.load_workload(args.prompts)["prompts"])
+    rows = np.concatenate([prompts] * (-(-args.batch // len(prompts))))[:args.batch]
+    texts = [" ".join(f"t{int(t)}" for t in row) for row in rows]
+    assert sampler.tokenize(texts[0]).tolist() == rows[0].tolist(), "prompt must be the 32 workload ids, no BOS"
+
+    def call(seed):
+        out = sampler(texts, max_generation_steps=64, max_prompt_length=32, temperature=1.0, top_p=1.0,
+                      forbidden_tokens=[2], seed=seed, pad_output=True)
+        return out
+
+    t0 = time.perf_counter()
+    out = call(0)
+    first_s = time.perf_counter() - t0
+    new_tokens = [len(t) for t in out.tokens]
+    for i in range(args.warmup - 1):
+        call(1 + i)
+    times = []
+    for i in range(args.repeats):
+        t0 = time.perf_counter()
+        call(100 + i)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"impl": "tunix", "B": args.batch, "times": times, "first_call_s": first_s,
+                      "new_tokens_per_row": sorted(set(new_tokens)), "tunix": getattr(tunix, "__version__", "?"),
+                      "jax": jax.__version__}))
+
+
+if __name__ == "__main__":
+    main()
