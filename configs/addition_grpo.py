@@ -21,6 +21,7 @@ def get_config(arg=None):
     c = base.mlc.ConfigDict()
     c.algorithm = "grpo"
     c.seed = 0
+    base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, partial_credit=0.5)
     c.model = base.model(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4,
                          head_dim=32)

@@ -22,6 +22,7 @@ def get_config(arg=None):
     c = base.mlc.ConfigDict()
     c.algorithm = "ppo"
     c.seed = 0
+    base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, num_pairs=4000)
     c.model = base.model()
     # The default task's warm start: stops part-way through its schedule, ~30% exact match.

@@ -15,6 +15,7 @@ def get_config(arg=None):
     c = base.mlc.ConfigDict()
     c.algorithm = "sft"
     c.seed = 0
+    base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500)
     c.model = base.model()
     c.sft = base.sft(steps=1000, batch_size=64, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=50,

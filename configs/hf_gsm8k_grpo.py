@@ -23,6 +23,7 @@ def get_config(arg=None):
     c = base.mlc.ConfigDict()
     c.algorithm = "grpo"
     c.seed = 0
+    base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.jsonl_task(prompt_key="question", answer_key="answer", max_prompt_tokens=256, max_new_tokens=256,
                              chat_template=True, system_prompt="Reason step by step; end with '#### <answer>'.")
     c.model = base.model(path="", dtype="bfloat16", param_dtype="float32", remat=True)

@@ -9,6 +9,21 @@ from __future__ import annotations
 import ml_collections as mlc
 
 
+def parallel(c: mlc.ConfigDict, *, mesh: str = "data=-1", rules: str = "fsdp_tp") -> mlc.ConfigDict:
+    """Top-level `mesh` and `rules` of config `c`: the device mesh every phase runs on and
+    the sharding rules of every role's parameters (policy, reference, critic, reward model).
+
+    `mesh` is a `parallel.make_mesh` spec over all devices of all processes, e.g.
+    "data=-1" (the default: the batch split over every device, parameters replicated) or
+    "fsdp=4,tensor=2"; `rules` a preset of `jaxrlhf.parallel.PRESETS` ("fsdp_tp": FSDP on
+    the model dimension plus tensor parallelism, "fsdp", "replicated"; checked when the
+    run starts). Override with `--config.mesh=fsdp=2,tensor=2 --config.rules=fsdp`.
+    """
+    c.mesh = mesh
+    c.rules = rules
+    return c
+
+
 def task(**kw) -> mlc.ConfigDict:
     return mlc.ConfigDict(dict(dict(
         name="addition", num_digits=2, reverse_answer=False, num_train=8000, num_test=500, num_pairs=0,
