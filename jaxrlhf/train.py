@@ -2,9 +2,15 @@
 
 Fields are overridden with `--config.<section>.<field>=value`; the config is locked, so a
 misspelt key is an error that names the nearest valid one. A workdir that holds a
-checkpoint resumes from it. The processes of a multi-host job are joined first
-(`jaxrlhf.parallel.distributed.initialize`), but config runs are single-process for now:
-multi-host training goes through the `jaxrlhf.parallel` API (docs/scale.md).
+checkpoint resumes from it.
+
+Every phase runs on the device mesh `--config.mesh` (default "data=-1": the batch split
+over all devices) with the sharding rules `--config.rules` ("fsdp_tp", "fsdp" or
+"replicated"), e.g. `--config.mesh=fsdp=4,tensor=2`. The processes of a multi-host job
+(TPU pod, SLURM, `launch/local_multiprocess.sh`) are joined first
+(`jaxrlhf.parallel.distributed.initialize`); the mesh then spans the devices of all of
+them, each process reads its own rows of every batch, and process 0 writes the metrics,
+summary and export. Such a job needs a `--workdir` that every process can reach.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ def main(argv):
 
     # Joins the other processes of a multi-host job (TPU pod, SLURM, launch/*.sh) before any
     # device is touched; a no-op for a single process.
-    distributed.initialize()
+    if distributed.initialize() and not _WORKDIR.value:
+        raise app.UsageError("a multi-process job needs --workdir (a folder every process can reach): the "
+                             "processes write one checkpoint together")
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="jaxrlhf_")
     logging.getLogger("jaxrlhf").info("workdir: %s", workdir)
     train_and_evaluate(_CONFIG.value, workdir)

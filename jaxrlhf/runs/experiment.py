@@ -9,6 +9,15 @@
 Each phase checkpoints under `workdir/<phase>/` and a rerun with the same workdir resumes.
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
 `train.export`) a Hugging Face folder `workdir/export/` with the final policy.
+
+Every phase runs on the device mesh `config.mesh` (default "data=-1") over all devices of
+all processes, with the sharding rules `config.rules` (default "fsdp_tp"), see
+`runs.sharding`. A multi-process job (`parallel.distributed.initialize()` first) runs the
+same program on every process: each reads only its own rows of every batch, evaluation
+results are replicated so every process sees the same numbers, checkpoints are written
+by all processes into the shared `workdir`, and process 0 alone writes `config.json`,
+metrics, `summary.json` and the export. A checkpoint restores into the shardings of the
+current mesh, so a run can resume on another mesh or device count.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import jax
 from jaxrlhf.models import save_pretrained
 from jaxrlhf.runs import phases, setup
 from jaxrlhf.runs.metrics import MetricsWriter
+from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.tasks import build_task, make_accuracy_fn
 
 log = logging.getLogger("jaxrlhf")
@@ -30,7 +40,7 @@ log = logging.getLogger("jaxrlhf")
 ALGORITHMS = ("sft", "grpo", "ppo", "dpo", "reward_model")
 
 
-def _print_summary(rows, samples, elapsed):
+def _print_summary(rows, samples, elapsed, show=True):
     lines = ["", "| stage | held-out exact match | held-out reward |", "|---|---|---|"]
     lines += [f"| {name} | {m['accuracy']:.3f} | {m['reward']:.3f} |" for name, m in rows]
     if samples:
@@ -38,7 +48,8 @@ def _print_summary(rows, samples, elapsed):
         lines += [f"  {p!r} -> {r!r}  {'correct' if ok else 'wrong'}" for p, r, ok in samples]
     lines += ["", f"total time {elapsed:.0f} s"]
     text = "\n".join(lines)
-    print(text, flush=True)
+    if show:
+        print(text, flush=True)
     return text
 
 
@@ -46,24 +57,23 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`)."""
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
-    if jax.process_count() > 1:
-        # The phases run unsharded: each host would silently train its own copy.
-        raise NotImplementedError(
-            f"train_and_evaluate runs on one process; this job has {jax.process_count()}. Shard the steps "
-            "with jaxrlhf.parallel (make_mesh, init_train_state_sharded, jit_step) for multi-host runs.")
     start = time.perf_counter()
+    placement = Placement.from_config(config)
+    main = jax.process_index() == 0
+    log.info("%s", placement.describe())
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
+    if main:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     task = build_task(config.task, model_path=config.model.path)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
-                                      bos_id=task.bos_id, eos_id=task.eos_id)
-    accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size)
+                                      bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
+    accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement)
     rng = jax.random.key(config.seed)
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     rows, extras = [], {}
-    common = dict(model=model, task=task, workdir=workdir, writer=writer, eval_fn=accuracy, should_stop=should_stop)
+    common = dict(model=model, task=task, workdir=workdir, writer=writer, eval_fn=accuracy, should_stop=should_stop,
+                  placement=placement)
     samples = []
     try:
         if config.algorithm == "sft" or config.sft.steps > 0:
@@ -78,7 +88,8 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
         if config.algorithm in ("ppo", "reward_model"):
             rm_model, rm_params, rm_eval = phases.reward_model_phase(
                 config.reward_model, config.train, policy_model=model, policy_params=params, task=task,
-                workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop)
+                workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
+                placement=placement)
             extras["reward_model_heldout"] = rm_eval
             log.info("reward model held-out pair accuracy %.3f", rm_eval["accuracy"])
         if config.algorithm == "ppo":
@@ -93,19 +104,23 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
         if config.algorithm != "reward_model":
             final, samples = accuracy(params, return_samples=config.train.show_samples)
             rows.append((f"after {config.algorithm.upper()}", final))
-            if config.train.export and jax.process_index() == 0:
-                tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
-                save_pretrained(model, jax.device_get(params), workdir / "export", tokenizer=tokenizer,
-                                overwrite=True)
-        elif config.train.export and jax.process_index() == 0:
-            save_pretrained(rm_model, jax.device_get(rm_params), workdir / "export", overwrite=True)
+            if config.train.export:
+                host_params = placement.fetch(params)  # every process takes part in the gather
+                if main:
+                    tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
+                    save_pretrained(model, host_params, workdir / "export", tokenizer=tokenizer, overwrite=True)
+        elif config.train.export:
+            host_params = placement.fetch(rm_params)
+            if main:
+                save_pretrained(rm_model, host_params, workdir / "export", overwrite=True)
     finally:
         writer.close()
-    text = _print_summary(rows, samples, time.perf_counter() - start)
-    for name, m in extras.items():
-        print(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
+    text = _print_summary(rows, samples, time.perf_counter() - start, show=main)
+    if main:
+        for name, m in extras.items():
+            print(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
     summary = {"stages": {name: m for name, m in rows}, "samples": samples, "table": text,
                "seconds": time.perf_counter() - start, **extras}
-    if jax.process_index() == 0:
+    if main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

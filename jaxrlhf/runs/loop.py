@@ -6,6 +6,11 @@ the data position), RNG folded with the step, a tqdm bar with live metrics, metr
 `metrics.jsonl` and TensorBoard, the health monitor (a NaN stops the run before anything
 is saved), periodic evaluation, and SIGTERM (preemption) saving a checkpoint before a
 clean exit.
+
+In a multi-process job every process runs the loop in lockstep (steps, evaluations and
+checkpoint saves are collective): metrics are read replicated, only process 0 writes them,
+and a stop request (SIGTERM, `should_stop`) seen by any process stops all of them at the
+same step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrlhf.monitor import HealthMonitor, NonFiniteError
+from jaxrlhf.parallel import distributed
 from jaxrlhf.runs.checkpointing import Checkpointer
 from jaxrlhf.runs.metrics import MetricsWriter, to_python
 
@@ -101,6 +107,14 @@ class _SigtermFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+def _any_process(flag: bool) -> bool:
+    """`flag` of any process (a preemption signal may reach only some of them)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+    return bool(np.max(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
 def run_phase(
     phase: PhaseConfig,
     *,
@@ -136,7 +150,7 @@ def run_phase(
                 t0 = time.perf_counter()
                 batch = batches.next_batch()
                 state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
-                metrics = to_python(jax.device_get(metrics))
+                metrics = to_python(distributed.gather(metrics))
                 metrics["time/step_s"] = time.perf_counter() - t0
                 done = step + 1
                 if monitor is not None:
@@ -151,7 +165,7 @@ def run_phase(
                 bar.update(1)
                 bar.set_postfix({k: f"{metrics[k]:.4g}" for k in phase.show if k in metrics}, refresh=False)
                 last = metrics
-                stop = sigterm.raised or (should_stop is not None and should_stop(done))
+                stop = _any_process(sigterm.raised or (should_stop is not None and should_stop(done)))
                 if done % phase.checkpoint_every == 0 or done == phase.num_steps or stop:
                     meta = {"data": batches.position, "step": done, **(extra_meta(state) if extra_meta else {})}
                     ckpt.save(done, state, meta, force=True)

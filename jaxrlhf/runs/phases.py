@@ -3,34 +3,53 @@
 `sft_phase` (the warm start of the built-in task, or a whole SFT run), `reward_model_phase`
 (Bradley–Terry on preference pairs), `dpo_phase`, `grpo_phase` and `ppo_phase`. Every phase
 checkpoints under `workdir/<name>/` and resumes from there.
+
+Every phase runs on the run's `sharding.Placement` (the mesh of `config.mesh`, the rules of
+`config.rules`): its train state is born in the rules' shardings (every role: policy,
+reference, critic, reward model), its step is jitted with explicit in/out shardings and a
+donated state, and each process reads only its own rows of every global batch. The
+GRPO/PPO steps include the sampler, compiled into the same sharded program.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf import data
+from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, sft
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
 from jaxrlhf.runs import setup
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
+from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.tasks import Task, host_extras
 
 log = logging.getLogger("jaxrlhf")
 
 
-def _batches(arrays: dict, batch_size: int, seed: int) -> ArrayBatches:
+def _batches(arrays: dict, batch_size: int, seed: int, placement: Placement, field: str) -> ArrayBatches:
+    """This process's rows of each global batch of `batch_size` (the config field `field`)."""
     n = next(iter(arrays.values())).shape[0]
     if batch_size > n:
-        raise ValueError(f"batch_size {batch_size} is larger than the {n} examples of the task")
-    return ArrayBatches(arrays, data.BatchIterator(n, batch_size, seed=seed, process_index=jax.process_index(),
-                                                   process_count=jax.process_count()))
+        raise ValueError(f"{field}={batch_size} is larger than the {n} examples of the task")
+    return ArrayBatches(arrays, placement.batch_iterator(n, batch_size, seed=seed, field=field))
+
+
+def _sharded_step(step_fn, placement: Placement, state_shardings, rows: int):
+    """`step(state, local_rows, rng)`: the global batch assembled from each process's rows,
+    then `step_fn` jitted for the mesh (`parallel.jit_step`, the state donated)."""
+    jitted = placement.jit_step(step_fn, state_shardings)
+
+    def step(state, local, rng):
+        return jitted(state, placement.global_batch(local, rows), rng)
+
+    return step
 
 
 def _phase(name, cfg, train, **kw) -> PhaseConfig:
@@ -46,16 +65,21 @@ def _with_lr(step_fn, schedule):
     return step
 
 
-def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, eval_fn=None, should_stop=None):
+def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
+              eval_fn=None, should_stop=None):
     """Masked cross-entropy on the task's SFT arrays; returns `(params, last_metrics)`."""
+    placement = placement or Placement.local()
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
-    step = jax.jit(sft.make_train_step(model, tx, sft.SFTConfig(prompt_len=task.prompt_len)), donate_argnums=0)
-    batch_keys = sft.BATCH_KEYS
-    arrays = {k: task.sft[k] for k in batch_keys}
+    arrays = {k: task.sft[k] for k in sft.BATCH_KEYS}
+    batches = _batches(arrays, cfg.batch_size, cfg.seed, placement, "sft.batch_size")
+    p_sh = placement.param_shardings(model)
+    state, state_sh = placement.init_state(lambda p: sft.init_state(p, tx), placement.place(params, p_sh),
+                                           params_shardings=p_sh)
+    step = _sharded_step(sft.make_train_step(model, tx, sft.SFTConfig(prompt_len=task.prompt_len)), placement,
+                         state_sh, cfg.batch_size)
     state, last = run_phase(
         _phase("sft", cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
-        state=sft.init_state(params, tx), step_fn=_with_lr(step, schedule), batches=_batches(arrays, cfg.batch_size,
-                                                                                                cfg.seed),
+        state=state, step_fn=_with_lr(step, schedule), batches=batches,
         rng=rng, writer=writer, eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop)
     return state.params, last
 
@@ -74,36 +98,92 @@ def grpo_config(cfg, task: Task) -> grpo.GRPOConfig:
         overlong_cache=cfg.overlong_cache)
 
 
-def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, eval_fn=None, should_stop=None):
-    """GRPO (or a variant) on the task's prompts and reward; returns `(params, last_metrics)`."""
+def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
+               eval_fn=None, should_stop=None):
+    """GRPO (or a variant) on the task's prompts and reward; returns `(params, last_metrics)`.
+
+    The policy and (β > 0) the reference share the model's shardings. A JAX reward gives
+    one sharded program (sampler, reward, update); a host reward (text, e.g. the JSONL
+    task's answer check) runs between a sharded rollout and a sharded update, each process
+    scoring the responses of its own prompts.
+    """
+    placement = placement or Placement.local()
     gcfg = grpo_config(cfg, task)
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
-    iteration = grpo.make_iteration(model, tx, gcfg, task.reward, schedule=schedule, donate=True)
     keys = task.extra_keys
-    pool = cfg.pool_size if cfg.dynamic_sampling and cfg.pool_size > 0 else cfg.prompts_per_step
+    dynamic_pool = cfg.dynamic_sampling and cfg.pool_size > 0
+    pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
+    batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
+                       "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
+    p_sh = placement.param_shardings(model)
+    make = lambda p: grpo.init_state(p, tx, ref_params=jax.tree.map(jnp.copy, p) if gcfg.beta > 0 else None)
+    state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
+    reward = rewards_lib.as_reward(task.reward)
+    if reward.is_jax:
+        iteration = grpo.make_iteration(model, tx, gcfg, reward, schedule=schedule)
 
-    def step(state, batch, rng):
-        return iteration(state, batch["prompt_ids"], batch["prompt_mask"], host_extras(batch, keys), rng)
+        def fused(state, batch, rng):
+            return iteration(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
 
-    ref = jax.tree.map(jnp.copy, params) if gcfg.beta > 0 else None
+        step = _sharded_step(fused, placement, state_sh, pool)
+    else:
+        step = _host_reward_step(model, tx, gcfg, reward, schedule, placement, state_sh, keys, pool)
     monitor = HealthMonitor(MonitorConfig(clip=gcfg.clip_low))
     state, last = run_phase(
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy")),
-        workdir=workdir, state=grpo.init_state(params, tx, ref_params=ref), step_fn=step,
-        batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed),
+        workdir=workdir, state=state, step_fn=step, batches=batches,
         rng=rng, writer=writer, monitor=monitor, eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None,
         should_stop=should_stop)
     return state.policy.params, last
 
 
-def _pair_eval(eval_step, pairs: dict, keys, batch_size: int = 256):
-    """Held-out pair metrics, averaged over fixed-size batches (the tail re-uses rows)."""
-    step = jax.jit(eval_step)
+def _host_reward_step(model, tx, gcfg, reward, schedule, placement: Placement, state_sh, keys, rows: int):
+    """GRPO with a host reward on the mesh: a sharded rollout (with the reward's JAX parts),
+    the host reward on this process's responses, then a sharded update (state donated)."""
+    g = gcfg.group_size
+    roll = functools.partial(grpo.rollout, model=model, cfg=gcfg, reward=reward)
+    learn = jax.jit(functools.partial(grpo.learn, model=model, tx=tx, cfg=gcfg, reward=reward, schedule=schedule),
+                    out_shardings=(state_sh, placement.replicated), donate_argnums=0)
+    compiled = {}
+
+    def row_shardings(tree):
+        return jax.tree.map(lambda x: placement.rows(x.ndim, x.shape[0]) if x.ndim else placement.replicated, tree)
+
+    def step(state, local, rng):
+        local = host_extras(local, tuple(local))  # object arrays (answer strings) become lists
+        arrays = {k: v for k, v in local.items() if hasattr(v, "shape")}
+        batch = placement.global_batch(arrays, rows)
+        args = (state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys if k in batch}, rng)
+        if "roll" not in compiled:
+            compiled["roll"] = jax.jit(roll, out_shardings=row_shardings(jax.eval_shape(roll, *args)))
+        out, scores = compiled["roll"](*args)
+        t0 = time.perf_counter()
+        mine = jax.tree.map(placement.local_rows, out)  # the responses to this process's prompts
+        extras = {k: np.repeat(np.asarray(local[k]), g, axis=0) if hasattr(local[k], "shape")
+                  else [x for x in local[k] for _ in range(g)] for k in keys}
+        host = reward.host_scores(rewards_lib.RewardInput.from_sample(mine), extras)
+        host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
+        dt = time.perf_counter() - t0
+        state, metrics = learn(state, out, {**scores, **placement.global_batch(host, rows * g)}, rng)
+        return state, {**metrics, "time/host_reward_s": dt}
+
+    return step
+
+
+def _pair_eval(eval_step, params, pairs: dict, keys, placement: Placement, batch_size: int = 256):
+    """Held-out pair metrics, averaged over batches of up to `batch_size` pairs. A batch
+    whose rows do not split over the mesh's batch shards is padded with weight-0 rows; the
+    metrics come back replicated, the same on every process."""
+    step = jax.jit(eval_step, out_shardings=placement.replicated)
     n = pairs["prompt_ids"].shape[0]
     sums, count = {}, 0
     for start in range(0, n, batch_size):
         idx = np.arange(start, min(start + batch_size, n))
-        m = step({k: pairs[k][idx] for k in keys})
+        batch = {k: pairs[k][idx] for k in keys}
+        rows = placement.padded_rows(len(idx))
+        if rows != len(idx):
+            batch = dict(pad_rows(batch, rows), weight=(np.arange(rows) < len(idx)).astype(np.float32))
+        m = placement.fetch(step(params, placement.put_rows(batch)))
         for k, v in m.items():
             if k != "weight":  # the eval steps' own batch weight, not a metric
                 sums[k] = sums.get(k, 0.0) + float(np.mean(v)) * len(idx)
@@ -111,45 +191,78 @@ def _pair_eval(eval_step, pairs: dict, keys, batch_size: int = 256):
     return {k: v / count for k, v in sums.items()}
 
 
-def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng, should_stop=None):
+def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_size: int = 64) -> dict:
+    """`dpo.precompute_reference_logprobs` on the mesh: the frozen reference's sequence
+    log-probs of every pair, in batches of `batch_size` (rounded up to the batch shards;
+    the tail padded with the last row and dropped), read back on every process."""
+    dpo.check_pairs(pairs, with_reference=False)
+    fn = jax.jit(functools.partial(dpo.pair_logprobs, model), out_shardings=placement.replicated)
+    n = pairs["prompt_ids"].shape[0]
+    size = placement.padded_rows(batch_size)
+    chosen, rejected = [], []
+    for start in range(0, n, size):
+        idx = np.minimum(np.arange(start, start + size), n - 1)
+        c, r = placement.fetch(fn(params, placement.put_rows({k: np.asarray(pairs[k])[idx] for k in dpo.PAIR_KEYS})))
+        keep = min(size, n - start)
+        chosen.append(np.asarray(c)[:keep])
+        rejected.append(np.asarray(r)[:keep])
+    out = dict(pairs)
+    out["ref_chosen_logp"] = np.concatenate(chosen).astype(np.float32)
+    out["ref_rejected_logp"] = np.concatenate(rejected).astype(np.float32)
+    return out
+
+
+def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
+                       placement: Placement | None = None, should_stop=None):
     """Bradley–Terry on the task's preference pairs, starting from the policy's trunk.
 
     Returns `(model, params, held-out metrics)`; the held-out `accuracy` is the fraction
     of pairs the reward model orders correctly.
     """
+    placement = placement or Placement.local()
     if task.pairs is None:
         raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0")
     model, params = reward_model.init_from_policy(policy_model, policy_params, seed=cfg.seed)
     rcfg = reward_model.RewardModelConfig(num_microbatches=cfg.num_microbatches)
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
-    step = jax.jit(reward_model.make_train_step(model, tx, rcfg), donate_argnums=0)
     keys = dpo.PAIR_KEYS
+    batches = _batches({k: task.pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement,
+                       "reward_model.batch_size")
+    p_sh = placement.param_shardings(model)
+    state, state_sh = placement.init_state(lambda p: reward_model.init_state(p, tx), placement.place(params, p_sh),
+                                           params_shardings=p_sh)
+    step = _sharded_step(reward_model.make_train_step(model, tx, rcfg), placement, state_sh, cfg.batch_size)
     eval_step = reward_model.make_eval_step(model, rcfg)
-    evaluate = lambda p: _pair_eval(functools.partial(eval_step, p), task.test_pairs, keys)
+    evaluate = lambda p: _pair_eval(eval_step, p, task.test_pairs, keys, placement)
     state, _ = run_phase(
         _phase("reward_model", cfg, train, show=("loss", "accuracy", "eval/accuracy")), workdir=workdir,
-        state=reward_model.init_state(params, tx), step_fn=_with_lr(step, schedule),
-        batches=_batches({k: task.pairs[k] for k in keys}, cfg.batch_size, cfg.seed), rng=rng, writer=writer,
+        state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
         eval_fn=lambda s: evaluate(s.params), should_stop=should_stop)
     return model, state.params, evaluate(state.params)
 
 
-def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, eval_fn=None, should_stop=None):
+def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
+              eval_fn=None, should_stop=None):
     """DPO on the task's preference pairs against the starting policy as reference.
 
     Returns `(params, held-out metrics)` with the held-out `reward_accuracy` before and after.
     """
+    placement = placement or Placement.local()
     if task.pairs is None:
         raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0")
     dcfg = dpo.DPOConfig(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
                          num_microbatches=cfg.num_microbatches)
-    train_pairs = dpo.precompute_reference_logprobs(model, params, task.pairs)
-    test_pairs = dpo.precompute_reference_logprobs(model, params, task.test_pairs)
+    p_sh = placement.param_shardings(model)
+    params = placement.place(params, p_sh)
+    train_pairs = _reference_logprobs(model, params, task.pairs, placement)
+    test_pairs = _reference_logprobs(model, params, task.test_pairs, placement)
     keys = dpo.PAIR_KEYS + dpo.REF_KEYS
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
-    step = jax.jit(dpo.make_train_step(model, tx, dcfg), donate_argnums=0)
+    batches = _batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "dpo.batch_size")
+    state, state_sh = placement.init_state(lambda p: dpo.init_state(p, tx), params, params_shardings=p_sh)
+    step = _sharded_step(dpo.make_train_step(model, tx, dcfg), placement, state_sh, cfg.batch_size)
     eval_step = dpo.make_eval_step(model, dcfg)
-    pair_eval = lambda p: _pair_eval(functools.partial(eval_step, p), test_pairs, keys)
+    pair_eval = lambda p: _pair_eval(eval_step, p, test_pairs, keys, placement)
 
     def evaluate(state):
         out = {f"pairs/{k}": v for k, v in pair_eval(state.params).items()}
@@ -157,8 +270,7 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, ev
 
     state, _ = run_phase(
         _phase("dpo", cfg, train, show=("loss", "reward_accuracy", "eval/accuracy")), workdir=workdir,
-        state=dpo.init_state(params, tx), step_fn=_with_lr(step, schedule),
-        batches=_batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed), rng=rng, writer=writer,
+        state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
         eval_fn=evaluate, should_stop=should_stop)
     return state.params, pair_eval(state.params)
 
@@ -176,12 +288,16 @@ def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
 
 
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task, workdir, writer, rng,
-              eval_fn=None, should_stop=None):
+              placement: Placement | None = None, eval_fn=None, should_stop=None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
     (or shared), and the frozen reward model. The held-out exact-match accuracy (the true
     reward, `eval/accuracy`) is logged beside the reward-model score (`score_mean`): the
     score going up is not the same as getting better.
+
+    On the mesh, each role's fields of the state take that model's shardings: actor and
+    reference the policy's, the critic its own, the reward model its own.
     """
+    placement = placement or Placement.local()
     pcfg = ppo_config(cfg, task)
     tx_actor, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     rm_model, rm_params = reward_model_and_params
@@ -194,11 +310,22 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
     else:
         critic_model, critic_params = reward_model.init_from_policy(model, params, seed=cfg.seed + 1)
         tx_critic, _ = setup.build_optimizer(cfg.critic_optim, total_steps=cfg.steps)
-    state = ppo.init_state(pcfg, actor_model, params, tx_actor, critic_model=critic_model,
-                           critic_params=critic_params, tx_critic=tx_critic, reward=(rm_model, rm_params))
+    actor_sh, rm_sh = placement.param_shardings(actor_model), placement.param_shardings(rm_model)
+    roles = {"actor": actor_sh, "ref_params": actor_sh, "reward_params": rm_sh}
+    args = [placement.place(params, actor_sh), placement.place(rm_params, rm_sh), None]
+    if critic_model is not None:
+        roles["critic"] = placement.param_shardings(critic_model)
+        args[2] = placement.place(critic_params, roles["critic"])
+
+    def make(actor_params, reward_params, critic_params):
+        return ppo.init_state(pcfg, actor_model, actor_params, tx_actor, critic_model=critic_model,
+                              critic_params=critic_params, tx_critic=tx_critic, reward=(rm_model, reward_params))
+
+    state, state_sh = placement.init_state(make, *args, roles=roles)
     iteration = ppo.make_iteration(actor_model, critic_model, rm_model, tx_actor, tx_critic, pcfg,
-                                   lr_schedule=schedule)
-    def step(state, batch, rng):
+                                   lr_schedule=schedule, donate=False)  # the sharded step donates the state
+
+    def fused(state, batch, rng):
         return iteration(state, batch["prompt_ids"], batch["prompt_mask"], rng)
 
     def evaluate(state):
@@ -206,8 +333,9 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
 
     state, last = run_phase(
         _phase("ppo", cfg, train, show=("score_mean", "kl_k1", "eval/accuracy")), workdir=workdir, state=state,
-        step_fn=step, batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask")},
-                                       cfg.prompts_per_step, cfg.seed),
+        step_fn=_sharded_step(fused, placement, state_sh, cfg.prompts_per_step),
+        batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask")}, cfg.prompts_per_step,
+                         cfg.seed, placement, "ppo.prompts_per_step"),
         rng=rng, writer=writer, monitor=HealthMonitor(MonitorConfig(clip=pcfg.clip)), eval_fn=evaluate,
         should_stop=should_stop)
     params = state.actor.params

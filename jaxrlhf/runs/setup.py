@@ -9,20 +9,30 @@ import jax
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, load_pretrained, random_init
+from jaxrlhf.parallel.loading import load_pretrained_sharded
 
 log = logging.getLogger("jaxrlhf")
 
 
 def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: int = 0,
-                pad_id: int = 0, bos_id: int | None = None, eos_id: int | None = None) -> tuple[Transformer, dict]:
+                pad_id: int = 0, bos_id: int | None = None, eos_id: int | None = None,
+                placement=None) -> tuple[Transformer, dict]:
     """`config.model` -> `(model, params)`: a local HF checkpoint (`path`) or a fresh model.
 
     A fresh model takes its sizes from the section and `vocab_size` from the task's
-    tokenizer; a checkpoint takes everything from its `config.json`.
+    tokenizer; a checkpoint takes everything from its `config.json`. With a `placement`
+    (`sharding.Placement`) the params come back in its shardings: a checkpoint is read
+    tensor slice by tensor slice straight into them (each process reads only its own
+    devices' shards); a fresh model is drawn on every process alike, then placed.
     """
     if cfg.path:
-        model, params = load_pretrained(cfg.path, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                        head=None if head == "lm" else head, remat=cfg.remat, seed=seed)
+        kwargs = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, head=None if head == "lm" else head,
+                      remat=cfg.remat, seed=seed)
+        if placement is not None:
+            model, params = load_pretrained_sharded(cfg.path, placement.mesh, placement.rules,
+                                                    on_indivisible="replicate", **kwargs)
+        else:
+            model, params = load_pretrained(cfg.path, **kwargs)
         if vocab_size is not None and model.config.vocab_size < vocab_size:
             raise ValueError(f"model.path={cfg.path}: vocab_size {model.config.vocab_size} is smaller than the "
                              f"tokenizer's {vocab_size}")
@@ -36,6 +46,8 @@ def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: i
                      remat=cfg.remat, pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
     model, params = random_init(mc, head=head, seed=seed)
     log.info("fresh %s model with %.2fM parameters", head, sum(x.size for x in jax.tree.leaves(params)) / 1e6)
+    if placement is not None:
+        params = placement.place_params(model, params)
     return model, params
 
 

@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import data, rewards
@@ -122,25 +121,32 @@ def host_extras(batch: dict, keys) -> dict:
     return {k: list(batch[k]) if batch[k].dtype == object else batch[k] for k in keys}
 
 
-def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512):
+def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, placement=None):
     """`accuracy(params) -> {"accuracy", "reward"}`: greedy decoding on the held-out prompts.
 
     `accuracy` is the mean of the reward's first component (the exact-match reward of the
     built-in tasks); `reward` the mean of the full weighted reward. Host rewards run on
     the decoded text.
+
+    `placement` (a `sharding.Placement`, default: one local device): `params` may be
+    sharded on its mesh, across processes too. Every process holds the whole held-out
+    set; each batch's prompt rows are split over the batch shards (padded with copies of
+    the last prompt to divide) and the outputs come back replicated, so every process
+    computes the same numbers (call it on every process).
     """
+    from jaxrlhf.runs.sharding import Placement, pad_rows
+
+    placement = placement or Placement.local()
     p = task.test_prompts
     n = p["prompt_ids"].shape[0]
 
-    @jax.jit
-    def decode_greedy(params, prompt_ids, prompt_mask):
-        out = sample(model, params, prompt_ids, prompt_mask, jax.random.key(0), max_new_tokens=task.response_len,
-                     temperature=0.0, eos_id=task.eos_id, pad_id=task.pad_id)
-        return out
+    def greedy(params, prompt_ids, prompt_mask):
+        return sample(model, params, prompt_ids, prompt_mask, jax.random.key(0), max_new_tokens=task.response_len,
+                      temperature=0.0, eos_id=task.eos_id, pad_id=task.pad_id)
 
-    @jax.jit
-    def device_scores(out, extras):
-        return task.reward.device_scores(rewards.RewardInput.from_sample(out), extras)
+    decode_greedy = jax.jit(greedy, out_shardings=placement.replicated)
+    device_scores = jax.jit(lambda out, extras: task.reward.device_scores(rewards.RewardInput.from_sample(out), extras),
+                            out_shardings=placement.replicated)
 
     def accuracy(params, *, return_samples: int = 0):
         totals, exact, samples = [], [], []
@@ -148,11 +154,18 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512):
         for i in range(0, n, batch_size):
             sl = slice(i, i + batch_size)
             batch = {k: p[k][sl] for k in p}
-            out = decode_greedy(params, jnp.asarray(batch["prompt_ids"]), jnp.asarray(batch["prompt_mask"]))
+            rows = batch["prompt_ids"].shape[0]
+            padded = pad_rows({k: batch[k] for k in ("prompt_ids", "prompt_mask")}, placement.padded_rows(rows))
+            placed = placement.put_rows(padded)
+            out = decode_greedy(params, placed["prompt_ids"], placed["prompt_mask"])
             extras = host_extras(batch, task.extra_keys)
-            parts = dict(device_scores(out, {k: v for k, v in extras.items() if hasattr(v, "shape")}))
+            arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
+            if arrays:
+                arrays = placement.put_rows(pad_rows(arrays, placement.padded_rows(rows)))
+            parts = {k: np.asarray(v)[:rows] for k, v in placement.fetch(device_scores(out, arrays)).items()}
+            out = jax.tree.map(lambda x: x[:rows], placement.fetch(out))
             if not task.reward.is_jax:
-                parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(jax.device_get(out)), extras))
+                parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(out), extras))
             totals.append(np.asarray(task.reward.total(parts)))
             exact.append(np.asarray(parts[first]))
             ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
