@@ -2,7 +2,8 @@
 # N processes of the same command on this machine, each with D CPU devices, joined by
 # jax.distributed on 127.0.0.1 with gloo collectives: a multi-host run without a cluster.
 #
-#   launch/local_multiprocess.sh [-n 2] [-d 4] [--dry-run] -- python -m jaxrlhf.train --config=configs/x.py
+#   launch/local_multiprocess.sh [-n 2] [-d 4] [--dry-run] -- python -m jaxrlhf.train --config=configs/x.py \
+#       --config.mesh=fsdp=2,tensor=2 --workdir=/tmp/run     # one mesh over the n × d devices
 #
 # Each process gets JAXRLHF_COORDINATOR_ADDRESS / JAXRLHF_NUM_PROCESSES / JAXRLHF_PROCESS_ID,
 # which `jaxrlhf.parallel.distributed.initialize()` reads. Logs: $LOG_DIR/process_<i>.log

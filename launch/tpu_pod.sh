@@ -2,7 +2,7 @@
 # The same command on every worker of a Cloud TPU pod slice (one JAX process per host).
 #
 #   launch/tpu_pod.sh --tpu NAME --zone ZONE [--project P] [--workdir ~/jaxrlhf] [--dry-run] \
-#       -- python -m jaxrlhf.train --config=configs/x.py
+#       -- python -m jaxrlhf.train --config=configs/x.py --config.mesh=fsdp=-1 --workdir=/shared/run
 #
 # Runs `gcloud compute tpus tpu-vm ssh NAME --worker=all --command "..."`: every worker
 # cds into --workdir (the repo, already copied/installed on each worker, e.g. with
