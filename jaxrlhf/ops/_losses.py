@@ -141,7 +141,10 @@ def value_loss(
         per_token = 0.5 * error
         clipfrac = jnp.zeros((), jnp.float32)
     else:
-        clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
+        # V_old + clip(V − V_old) as a select: where the clip is inactive it is V itself,
+        # bit for bit, so rounding in (V − V_old) + V_old can never count as clipping.
+        step = values - old_values
+        clipped_values = jnp.where(jnp.abs(step) > clip, old_values + jnp.clip(step, -clip, clip), values)
         clipped_error = jnp.square(clipped_values - returns)
         per_token = 0.5 * jnp.maximum(error, clipped_error)
         clipfrac = _masked.masked_mean(clipped_error > error, mask)

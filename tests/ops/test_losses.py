@@ -117,6 +117,20 @@ def test_value_loss_hand_values():
     np.testing.assert_allclose(metrics["clipfrac"], 1.0)
 
 
+def test_value_clipfrac_is_zero_inside_the_clip_range_despite_rounding():
+    # Values that moved by less than ε, some across 0: (V − V_old) + V_old is not always V
+    # in float32, which must not count as a clipped token.
+    rng = np.random.default_rng(7)
+    old = (0.1 * rng.standard_normal((8, 64))).astype(np.float32)
+    values = (old + rng.uniform(-0.19, 0.19, old.shape)).astype(np.float32)
+    returns = (old + 5.0 * rng.standard_normal(old.shape)).astype(np.float32)
+    mask = np.ones(old.shape, bool)
+    assert np.any((old + (values - old)) != values)  # the rounding this test is about
+    loss, metrics = ops.value_loss(values, old, returns, mask, clip=0.2)
+    assert float(metrics["clipfrac"]) == 0.0
+    np.testing.assert_allclose(loss, 0.5 * np.mean((values.astype(np.float64) - returns) ** 2), rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "loss_type, label_smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0)]
 )
