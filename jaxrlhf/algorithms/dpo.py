@@ -156,19 +156,26 @@ def precompute_reference_logprobs(
     pairs: Mapping[str, np.ndarray],
     *,
     batch_size: int = 64,
+    score_fn: Callable[[PyTree, dict], tuple[Any, Any]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Adds `ref_chosen_logp`, `ref_rejected_logp` `[N]` (float32) to a whole set of pairs.
 
     Runs the frozen reference once over the dataset, `batch_size` pairs per forward pass
-    (one compiled shape: the tail is padded with row 0 and dropped). Returns a new dict;
-    index it per step like the input (`{k: v[idx] for k, v in out.items()}`).
+    (one compiled shape: the tail is padded with the last row and dropped). Returns a new
+    dict; index it per step like the input (`{k: v[idx] for k, v in out.items()}`).
+
+    `score_fn(ref_params, batch) -> (chosen [b], rejected [b])` replaces the jitted
+    `pair_logprobs` (e.g. one that places the batch on a device mesh and reads the result
+    back on every process).
     """
     check_pairs(pairs, with_reference=False)
+    if score_fn is None:
+        score_fn = functools.partial(_pair_logprobs_jit, model)
     n = pairs["prompt_ids"].shape[0]
     chosen, rejected = [], []
     for start in range(0, n, batch_size):
         idx = np.minimum(np.arange(start, start + batch_size), n - 1)
-        c, r = _pair_logprobs_jit(model, ref_params, {k: np.asarray(pairs[k])[idx] for k in PAIR_KEYS})
+        c, r = score_fn(ref_params, {k: np.asarray(pairs[k])[idx] for k in PAIR_KEYS})
         keep = min(batch_size, n - start)
         chosen.append(np.asarray(c)[:keep])
         rejected.append(np.asarray(r)[:keep])

@@ -192,24 +192,12 @@ def _pair_eval(eval_step, params, pairs: dict, keys, placement: Placement, batch
 
 
 def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_size: int = 64) -> dict:
-    """`dpo.precompute_reference_logprobs` on the mesh: the frozen reference's sequence
-    log-probs of every pair, in batches of `batch_size` (rounded up to the batch shards;
-    the tail padded with the last row and dropped), read back on every process."""
-    dpo.check_pairs(pairs, with_reference=False)
+    """`dpo.precompute_reference_logprobs` on the mesh: batches of `batch_size` rounded up
+    to the batch shards, results read back on every process."""
     fn = jax.jit(functools.partial(dpo.pair_logprobs, model), out_shardings=placement.replicated)
-    n = pairs["prompt_ids"].shape[0]
-    size = placement.padded_rows(batch_size)
-    chosen, rejected = [], []
-    for start in range(0, n, size):
-        idx = np.minimum(np.arange(start, start + size), n - 1)
-        c, r = placement.fetch(fn(params, placement.put_rows({k: np.asarray(pairs[k])[idx] for k in dpo.PAIR_KEYS})))
-        keep = min(size, n - start)
-        chosen.append(np.asarray(c)[:keep])
-        rejected.append(np.asarray(r)[:keep])
-    out = dict(pairs)
-    out["ref_chosen_logp"] = np.concatenate(chosen).astype(np.float32)
-    out["ref_rejected_logp"] = np.concatenate(rejected).astype(np.float32)
-    return out
+    return dpo.precompute_reference_logprobs(
+        model, params, pairs, batch_size=placement.padded_rows(batch_size),
+        score_fn=lambda p, batch: placement.fetch(fn(p, placement.put_rows(batch))))
 
 
 def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
