@@ -157,11 +157,19 @@ def response_logprobs(
     """
     hidden_BxTxD, values = response_hidden(model, params, sequences_BxL, attention_mask_BxL, prompt_len,
                                            group_size=group_size)
+    logp, ent = hidden_logprobs(model, params, hidden_BxTxD, sequences_BxL[:, prompt_len:],
+                                temperature=temperature, with_entropy=with_entropy)
+    return logp, ent, values
+
+
+def hidden_logprobs(model: Transformer, params, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
+                    with_entropy: bool = False):
+    """`(logp [B, T], entropy [B, T] or None)` of `targets` from the states that predict
+    them (`response_hidden`), through the LM head."""
     logits_BxTxV = project_logits(model.config, params, hidden_BxTxD)
-    targets_BxT = sequences_BxL[:, prompt_len:]
     logp = ops.token_logprobs(logits_BxTxV, targets_BxT, temperature=temperature)
     ent = ops.entropy(logits_BxTxV, temperature=temperature) if with_entropy else None
-    return logp, ent, values
+    return logp, ent
 
 
 def accumulation_scale(mask_BxT: jax.Array, *, mode: str, total_tokens: jax.Array, total_seqs: int) -> jax.Array:
@@ -198,6 +206,14 @@ def metric_reduction(name: str) -> str:
     if name.endswith("_min"):
         return "min"
     return "mean"
+
+
+_REDUCERS = {"max": jnp.max, "min": jnp.min, "mean": jnp.mean}
+
+
+def reduce_metric(name: str, values: jax.Array) -> jax.Array:
+    """A metric's per-step values `[S]` combined into one, as `metric_reduction(name)` says."""
+    return _REDUCERS[metric_reduction(name)](values)
 
 
 def accumulate_gradients(

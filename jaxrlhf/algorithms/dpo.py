@@ -34,7 +34,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import common
-from jaxrlhf.models.transformer import Transformer, project_logits
+from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.ops._losses import DPO_LOSS_TYPES
 
 PyTree = Any
@@ -138,7 +138,7 @@ def pair_logprobs(model: Transformer, params, batch: Batch, *, share_prompt: boo
         hidden, _ = common.shared_prompt_hidden(
             model, params, batch["prompt_ids"], batch["prompt_mask"], sequences[:, p:], response_mask,
             expand=lambda x: jnp.concatenate([x, x]))
-        logp_2BxT = ops.token_logprobs(project_logits(model.config, params, hidden), sequences[:, p:])
+        logp_2BxT, _ = common.hidden_logprobs(model, params, hidden, sequences[:, p:])
     else:
         logp_2BxT, _, _ = common.response_logprobs(model, params, sequences, attention_mask, p)
     seq_logp_2B = ops.sequence_logprobs(logp_2BxT, response_mask)

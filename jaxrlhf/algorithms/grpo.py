@@ -441,7 +441,7 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
             metrics[name] = jnp.all(values)
             metrics["skipped_steps"] = jnp.sum(~values)
         else:
-            metrics[name] = getattr(jnp, common.metric_reduction(name))(values)
+            metrics[name] = common.reduce_metric(name, values)
     metrics["first/ratio_max"] = stacked["ratio_max"][0]
     metrics["first/ratio_min"] = stacked["ratio_min"][0]
     return state.replace(policy=policy), metrics

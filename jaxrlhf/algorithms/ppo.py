@@ -42,7 +42,7 @@ from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
     accumulation_scale,
-    metric_reduction,
+    reduce_metric,
     response_hidden,
     response_logprobs,
     skip_unless,
@@ -681,7 +681,7 @@ def update(
         return (new_actor, new_critic), metrics
 
     (actor, critic), per_step = jax.lax.scan(step, (state.actor, state.critic), index)
-    metrics = {key: getattr(jnp, metric_reduction(key))(v) for key, v in per_step.items() if key != "finite"}
+    metrics = {key: reduce_metric(key, v) for key, v in per_step.items() if key != "finite"}
     metrics["finite"] = jnp.all(per_step["finite"])
     metrics["skipped_updates"] = jnp.sum(~per_step["finite"]).astype(jnp.int32)
     for key in _FIRST:
