@@ -138,22 +138,25 @@ def gae(
     lam = jnp.asarray(lam, jnp.float32)
     rewards = jnp.where(mask, rewards, 0.0)
     values = jnp.where(mask, values, 0.0)
-    next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
+    # V_{t+1}·m_{t+1} is the shifted masked values: no separate next-mask pass.
     next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
-    delta = rewards + gamma * next_values * next_mask - values
+    delta = rewards + gamma * next_values - values
 
     def exact(delta):  # time-major: the scans walk the leading axis
+        next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
         solve = _gae_associative if method == "associative" else _gae_scan
-        return solve(delta.T, (gamma * lam * next_mask).T).T
+        return jnp.where(mask, solve(delta.T, (gamma * lam * next_mask).T).T, 0.0)
 
     if method == "blocked":
         # The fast form assumes the SPEC §1 prefix mask; any other mask takes the exact
-        # scan, so the result never depends on the method. (Under vmap both run.)
-        is_prefix = jnp.all(mask[:, 1:] <= mask[:, :-1])
+        # scan, so the result never depends on the method. (Under vmap both run.) With a
+        # prefix mask δ is exactly 0 on padding, so the blocked sums are too: no masking
+        # pass. The check reduces rows first: one flat `all` over [B, T] becomes a slow
+        # reduce-window on XLA:CPU.
+        is_prefix = jnp.all(jnp.all(mask[:, 1:] <= mask[:, :-1], axis=1))
         adv = lax.cond(is_prefix, lambda d: _gae_blocked(d, gamma * lam), exact, delta)
     else:
         adv = exact(delta)
-    adv = jnp.where(mask, adv, 0.0)
     return GAEOutput(advantages=adv, returns=jnp.where(mask, adv + values, 0.0))
 
 
