@@ -258,8 +258,11 @@ class Transformer(nn.Module):
 
         inv_freq = jnp.asarray(c.inv_freq(), jnp.float32)
         angles = position_ids.astype(jnp.float32)[..., None] * inv_freq
-        angles = jnp.concatenate([angles, angles], axis=-1)
-        cos, sin = jnp.cos(angles).astype(dt), jnp.sin(angles).astype(dt)
+        # The two halves share their angles: XLA:CPU calls scalar libm sin/cos per element,
+        # so taking them on the half and duplicating halves that cost.
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos = jnp.concatenate([cos, cos], axis=-1).astype(dt)
+        sin = jnp.concatenate([sin, sin], axis=-1).astype(dt)
 
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt,
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")),
