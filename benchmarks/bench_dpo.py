@@ -1,4 +1,4 @@
-"""DPO step benchmark: jaxrlhf vs TRL's DPOTrainer (and a hand-written PyTorch step).
+"""DPO step benchmark: jaxrlhf vs TRL's DPOTrainer (and a hand-written PyTorch step, and Tunix's DPOTrainer).
 
 The reference workload's tiny Llama (../shared/WORKLOAD.md: vocab 512, hidden 256,
 intermediate 688, 4 layers, 4/2 heads, head_dim 64, float32), random init with
@@ -18,8 +18,23 @@ Each side runs in its own subprocess, so that peak RSS (`ru_maxrss`) is that fra
          (a TrainerCallback), torch.set_num_threads(2), bf16 off
   torch  the same DPO step written by hand in PyTorch (transformers LlamaForCausalLM)
 
+  tunix  with `--tunix-python PY` only: Google's Tunix `tunix.sft.dpo.DPOTrainer` in that
+         interpreter's environment (tunix_dpo_worker.py; Tunix's own Llama3 at the workload's
+         sizes with these weights, same data, β, sigmoid loss and AdamW), twice:
+         "tunix" = DPOTrainer as shipped, which has no way to precompute reference log-probs
+         and runs the reference forward every step (more work per step than the other
+         sides), and "tunix (ref precomputed)" = the same trainer with the reference log-probs
+         computed once by its own code and reused (the work the other sides time). Seconds
+         between consecutive batch fetches of its training loop, each after the previous
+         step's parameters are ready. The row records `same_model_max_abs_logit_diff` (its
+         next-token logits after prompt 0 vs the torch model's), the CPU watch of the whole
+         subprocess (`cpu_watch_subprocess`) next to that of its timed steps, and as
+         `peak_rss_mib` the worker's VmHWM (its `ru_maxrss`, `ru_maxrss_mib`, also counts
+         this parent's peak RSS at spawn time, as for every subprocess here).
+
     python benchmarks/bench_dpo.py --out /tmp/bench_dpo.json      # warm-up 3, 8 timed steps
     python benchmarks/bench_dpo.py --quick                        # smoke run, not a result
+    python benchmarks/bench_dpo.py --tunix-python /tmp/venv_tunix/bin/python   # + the two Tunix rows
 
 Each result records `cpu_watch.others_cores` (CPU used by other processes during the timed
 loop); `contended: true` marks a figure that is not valid.
@@ -207,6 +222,36 @@ def run_torch(ckpt: str, d: dict, warmup: int, repeats: int) -> dict:
                 note="hand-written: one forward of 2B rows, reference precomputed, sigmoid loss, AdamW")
 
 
+# --------------------------------------------------------------------------- Tunix (another interpreter)
+
+
+def _run_tunix(python: str, ckpt: str, ref: str, probe, warmup: int, repeats: int, prompts: str | None) -> dict:
+    """Tunix's DPOTrainer on the same data and weights, in its own interpreter (tunix_dpo_worker.py)."""
+    cmd = [python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_dpo_worker.py"),
+           "--ckpt", ckpt, "--ref", ref, "--warmup", str(warmup), "--steps", str(repeats)]
+    if prompts:
+        cmd += ["--prompts", prompts]
+    with CpuWatch() as watch:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"[tunix --ref {ref}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return dict(error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
+    w = json.loads(lines[-1])
+    if w["checks"]["optimizer_steps"] != warmup + repeats or w["checks"]["params_changed"] == 0:
+        return dict(error=f"tunix took {w['checks']['optimizer_steps']} optimizer steps and changed "
+                          f"{w['checks']['params_changed']} parameters")
+    return dict(stats=summary(w["step_times"]), step_times=w["step_times"], warmup_step_times=w["warmup_step_times"],
+                first_call_s=w["first_call_s"], ref_precompute_s=w["ref_precompute_s"], setup_s=w["setup_s"],
+                first_loss=w["first_loss"], last_loss=w["last_loss"], peak_rss_mib=w["vm_hwm_mib"],
+                ru_maxrss_mib=w["peak_rss_mib"], peak_rss_note=w["peak_rss_note"],
+                cpu_watch=w["cpu_watch"], cpu_watch_subprocess=watch.result(detail=True),
+                same_model_max_abs_logit_diff=float(np.max(np.abs(np.asarray(w["probe_logits"]) - probe))),
+                checks=w["checks"], settings=w["settings"], differences=w["differences"],
+                tunix_version=w["settings"]["tunix"], jax_version=w["settings"]["jax"],
+                note=f"tunix.sft.dpo.DPOTrainer (--ref {ref}) in a subprocess (tunix_dpo_worker.py); " + w["timing"])
+
+
 # --------------------------------------------------------------------------- main
 
 WORKERS = {"jax": run_jax, "trl": run_trl, "torch": run_torch}
@@ -236,6 +281,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps (a smoke run, not a result)")
     ap.add_argument("--framework", choices=("all", *WORKERS), default="all")
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--tunix-python", default=None,
+                    help="a python with google-tunix installed: also run Tunix's DPOTrainer (tunix_dpo_worker.py)")
     ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -251,7 +298,15 @@ def main(argv=None):
     t_start = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory() as ckpt:
-        hf_llama(seed=0).save_pretrained(ckpt, safe_serialization=True)
+        hf = hf_llama(seed=0)
+        hf.save_pretrained(ckpt, safe_serialization=True)
+        probe = None
+        if args.tunix_python:  # the torch model's logits, to check Tunix's model against
+            import torch
+
+            with torch.no_grad():
+                probe = hf(torch.as_tensor(d["prompt_ids"][:1]).long()).logits[0, -1].double().numpy()
+        del hf
         for name in names:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--ckpt", ckpt,
                    "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
@@ -264,11 +319,25 @@ def main(argv=None):
                 print(f"[{name}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             else:
                 results[name] = json.loads(line[0][len("RESULT "):])
+        if args.tunix_python:
+            for ref, name in (("per-step", "tunix"), ("precomputed", "tunix (ref precomputed)")):
+                results[name] = _run_tunix(args.tunix_python, ckpt, ref, probe, args.warmup, args.repeats,
+                                           args.prompts)
     contended = any(r.get("cpu_watch", {}).get("contended", False) for r in results.values())
     report = dict(workload=dict(pairs=B, prompt_len=P, response_len=T, beta=BETA, lr=LR, dtype="float32"),
                   warmup=args.warmup, repeats=args.repeats, quick=args.quick, results=results,
                   contended=contended, loadavg=os.getloadavg(), total_s=time.perf_counter() - t_start)
     print(_markdown(report))
+    ours = results.get("jax", {}).get("stats")
+    for name, res in results.items():
+        if name.startswith("tunix") and "error" not in res:
+            line = f"\n{name}: same model as torch (max |logit diff| {res['same_model_max_abs_logit_diff']:.1e}); " \
+                   f"differs in: {'; '.join(res['differences'])}"
+            if ours:
+                ratio = res["stats"]["median_s"] / ours["median_s"]
+                report.setdefault("ratios", {})[f"{name} / jax"] = ratio
+                line += f"\n{name} / jaxrlhf median step time: {ratio:.2f}x"
+            print(line)
     if contended:
         print("\nNOTE: other processes used CPU during the timed loops (contended: true): not a valid result.")
     path = write_json(args.out, "bench_dpo.json", report)

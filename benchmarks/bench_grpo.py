@@ -1,4 +1,4 @@
-"""GRPO step benchmark: jaxrlhf vs TRL's GRPOTrainer (PyTorch), in one process.
+"""GRPO step benchmark: jaxrlhf vs TRL's GRPOTrainer (PyTorch), in one process (and Tunix's GRPOLearner).
 
 WORKLOAD.md measurement 3: a tiny random-init Llama (vocab 512, hidden 256, intermediate
 688, 4 layers, 4/2 heads, head_dim 64, float32); per step 2 prompts (32 tokens, from the
@@ -19,6 +19,19 @@ the same weights (the torch init, `torch.manual_seed(0)`, read into JAX with
 
     python benchmarks/bench_grpo.py --out /tmp/bench_grpo.json
     python benchmarks/bench_grpo.py --quick            # 1 warm-up + 2 timed steps, a smoke run
+    python benchmarks/bench_grpo.py --tunix-python /tmp/venv_tunix/bin/python   # + Tunix
+
+With `--tunix-python PY`, Google's Tunix runs too, last, in that interpreter's environment
+(`tunix_grpo_worker.py`: `GRPOLearner` on an `RLCluster`, Tunix's own Llama3 at the
+workload's sizes with the same torch-init weights, read from a safetensors copy; see that
+file for its settings and the few that differ: EOS and pad forbidden in sampling, advantage
+ε 1e-6, its RoPE θ fix). Its row is "tunix"; its step time is the wall time between the
+ends of consecutive optimizer steps, its generation time the rollout's `generate` call.
+The row records the worker's own peak RSS (`peak_rss_mib`: its VmHWM; its `ru_maxrss`,
+which for a subprocess also counts this process's peak at spawn time, is `ru_maxrss_mib`),
+the CPU watch of its timed steps
+(`cpu_watch`) and of the whole subprocess (`cpu_watch_subprocess`), and
+`same_model_max_abs_logit_diff` (its next-token logits after prompt 0 vs the torch model's).
 
 A result with `contended: true` (other processes used CPU while it ran) is not valid.
 """
@@ -199,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps (a smoke run, not a result)")
     ap.add_argument("--framework", choices=("both", "jax", "trl"), default="both")
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--tunix-python", default=None,
+                    help="a python with google-tunix installed: also run Tunix's GRPOLearner (tunix_grpo_worker.py)")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.steps = 1, 2
@@ -221,6 +236,12 @@ def main(argv=None):
     n_params = sum(p.numel() for p in tm.parameters())
     state_dict = {k: v.clone() for k, v in tm.state_dict().items()}
     results, errors = {}, {}
+    tunix_ckpt = tunix_probe = None
+    if args.tunix_python:  # the same weights for Tunix, and the torch logits to check its model against
+        tunix_ckpt = tempfile.TemporaryDirectory()
+        tm.save_pretrained(tunix_ckpt.name, safe_serialization=True)
+        with torch.no_grad():
+            tunix_probe = tm(torch.as_tensor(prompts[:1])).logits[0, -1].double().numpy()
     if args.framework in ("both", "jax"):
         with tempfile.TemporaryDirectory() as ckpt:
             tm.save_pretrained(ckpt, safe_serialization=True)
@@ -234,6 +255,14 @@ def main(argv=None):
             except ImportError as e:  # TRL not installed: report the JAX side alone
                 errors[name] = f"{type(e).__name__}: {e}"
                 break
+    if args.tunix_python:
+        try:
+            results["tunix"] = _run_tunix(args.tunix_python, tunix_ckpt.name, tunix_probe, args.warmup, args.steps,
+                                          args.prompts)
+        except RuntimeError as e:
+            errors["tunix"] = str(e)
+        finally:
+            tunix_ckpt.cleanup()
 
     import jax
 
@@ -245,15 +274,54 @@ def main(argv=None):
         versions["trl"] = trl.__version__
     except ImportError:
         pass
+    if "tunix" in results:
+        versions["tunix"] = results["tunix"]["versions"]["tunix"]
+        versions["jax_tunix_env"] = results["tunix"]["versions"]["jax"]
     result = dict(
         workload="WORKLOAD.md measurement 3 (GRPO step)", params=n_params, results=results, errors=errors,
         quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_common.peak_rss_mib(),
-        peak_rss_note=f"whole process, frameworks run: {args.framework}", versions=versions, nproc=os.cpu_count(),
+        peak_rss_note=f"whole process, frameworks run: {args.framework}"
+        + (" (tunix ran in a subprocess: its own peak RSS is in its row)" if args.tunix_python else ""),
+        versions=versions, nproc=os.cpu_count(),
         contended=any(r["cpu_watch"]["contended"] for r in results.values()), total_s=time.perf_counter() - t_start)
     print(_markdown(result))
     if args.out:
         _common.write_json(args.out, "grpo.json", result)
     return result
+
+
+def _run_tunix(python, ckpt, probe, warmup, steps, prompts) -> dict:
+    """Tunix's GRPOLearner on the same workload, in its own interpreter (tunix_grpo_worker.py)."""
+    import json
+    import subprocess
+
+    cmd = [python, str(Path(__file__).with_name("tunix_grpo_worker.py")), "--warmup", str(warmup),
+           "--steps", str(steps), "--ckpt", ckpt] + (["--prompts", prompts] if prompts else [])
+    with _common.CpuWatch() as watch:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"[tunix] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    w = json.loads(lines[-1])
+    checks = w["checks"]
+    if checks["new_tokens_per_completion"] != [T_NEW] or checks["completions_per_step"] != [PROMPTS_PER_STEP * G]:
+        raise RuntimeError(f"tunix generated {checks['completions_per_step']} completions of "
+                           f"{checks['new_tokens_per_completion']} tokens, expected {PROMPTS_PER_STEP * G} x {T_NEW}")
+    if checks["optimizer_steps"] != warmup + steps or checks["params_changed"] == 0:
+        raise RuntimeError(f"tunix took {checks['optimizer_steps']} optimizer steps and changed "
+                           f"{checks['params_changed']} parameters")
+    times, gens = w["step_times"], w["generation_times"]
+    return dict(
+        stats=_common.summary(times, count_key="n"), step_times=times, generation_times=gens,
+        generation_share=statistics.median(gens) / statistics.median(times), first_call_s=w["first_call_s"],
+        warmup_step_times=w["warmup_step_times"], first_step=w["first_step"], last_reward_mean=w["last_reward_mean"],
+        peak_rss_mib=w["vm_hwm_mib"], ru_maxrss_mib=w["peak_rss_mib"], peak_rss_note=w["peak_rss_note"],
+        cpu_watch=w["cpu_watch"], cpu_watch_subprocess=watch.result(detail=True),
+        same_model_max_abs_logit_diff=float(np.max(np.abs(np.asarray(w["probe_logits"]) - probe))),
+        checks=checks, settings=w["settings"], differences=w["differences"],
+        versions={"tunix": w["settings"]["tunix"], "jax": w["settings"]["jax"]},
+        note="tunix.rl.grpo GRPOLearner + RLCluster in a subprocess (tunix_grpo_worker.py); " + w["timing"])
 
 
 def _markdown(r) -> str:
@@ -274,6 +342,11 @@ def _markdown(r) -> str:
             if name != "jaxrlhf":
                 extra.append(f"{name} / jaxrlhf median step time: "
                              f"{res['stats']['median_s'] / jx['stats']['median_s']:.2f}x")
+    tx = r["results"].get("tunix")
+    if tx:
+        extra.append(f"tunix: peak RSS {tx['peak_rss_mib']:.0f} MiB (its own process, VmHWM); first step "
+                     f"(compile + step) {tx['first_call_s']:.1f} s; same model as torch: max |logit diff| "
+                     f"{tx['same_model_max_abs_logit_diff']:.1e}; differs in: {'; '.join(tx['differences'])}")
     for name, err in r["errors"].items():
         extra.append(f"{name}: not run ({err})")
     extra.append(f"peak RSS {r['peak_rss_mib']:.0f} MiB ({r['peak_rss_note']})")

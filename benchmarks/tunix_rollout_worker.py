@@ -7,8 +7,10 @@ Run by `bench_rollout.py --tunix-python PY` in a separate environment that has
     python benchmarks/bench_rollout.py --tunix-python /tmp/venv_tunix/bin/python
 
 The model is Tunix's own `Llama3` with the workload's sizes (vocab 512, hidden 256,
-intermediate 688, 4 layers, 4/2 heads, head_dim 64, RoPE θ 10000) in float32 with its own
-random init: timing does not depend on the weight values. Prompts are the workload's 16
+intermediate 688, 4 layers, 4/2 heads, head_dim 64) in float32 with its own random init
+(which zeroes the MLP weights) and RoPE θ 1e6 (Tunix 0.1.7's Llama3 ignores
+`ModelConfig.rope_theta`): neither changes the work timed, which does not depend on the
+weight values or on a constant. Prompts are the workload's 16
 rows given as word-level text without BOS (32 tokens each); EOS is a forbidden token, so
 every row gets exactly 64 new tokens, as `min_new_tokens=64` does for transformers.
 Prints one JSON line: per-call wall seconds of `sampler(...)` after warm-up.
