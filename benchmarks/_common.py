@@ -11,10 +11,20 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every benchmark process (ours, the peers', the Tunix workers' in their own environment)
+# runs with the same allocator settings, applied before any framework allocates: glibc
+# keeps freed memory for reuse (see jaxrlhf/host_allocator.py, stdlib only).
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+from jaxrlhf.host_allocator import tune_host_allocator  # noqa: E402
+
+HOST_ALLOCATOR_TUNED = tune_host_allocator()
 WORKLOAD_CANDIDATES = [REPO.parent / "shared" / "workload_prompts.json", REPO / "shared" / "workload_prompts.json"]
 
 # WORKLOAD.md "Model" table.

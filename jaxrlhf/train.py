@@ -35,8 +35,12 @@ def main(argv):
                         stream=sys.stderr, force=True)
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from jaxrlhf.host_allocator import tune_host_allocator
     from jaxrlhf.parallel import distributed
     from jaxrlhf.runs import train_and_evaluate  # after flag parsing: keeps --help fast
+
+    # Before any computation: XLA:CPU's per-step buffers are then reused, not re-mapped.
+    tune_host_allocator()
 
     # Joins the other processes of a multi-host job (TPU pod, SLURM, launch/*.sh) before any
     # device is touched; a no-op for a single process.
