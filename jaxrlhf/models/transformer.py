@@ -100,7 +100,10 @@ class Projection(nn.Module):
         if tuple(x.shape[-n_in:]) != tuple(in_shape):
             raise ValueError(f"{self.name}: input trailing shape {x.shape[-n_in:]} != kernel {in_shape}")
         lead = x.shape[:-n_in]
-        y = x.astype(self.dtype).reshape(*lead, -1) @ w.astype(self.dtype).reshape(int(np.prod(in_shape)), -1)
+        # Rows flattened too: with [B, L] leading axes the weight gradient contracts two
+        # axes, which XLA:CPU sends to a slower transposing GEMM (train step 0.24 -> 0.20 s).
+        k = int(np.prod(in_shape))
+        y = x.astype(self.dtype).reshape(-1, k) @ w.astype(self.dtype).reshape(k, -1)
         y = y.reshape(*lead, *out_shape)
         if self.bias_axes is not None:
             b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
