@@ -3,13 +3,15 @@
     python -m jaxrlhf.train --config=configs/addition_grpo.py --workdir=/tmp/addition_grpo
 
 A 0.4M-parameter transformer with a character tokenizer learns "37+58=" -> "95" by an
-SFT phase that stops two thirds of the way through its learning-rate schedule, while the
-policy is still mostly wrong (about 30% held-out exact match), then GRPO (64 prompts x 8
-samples per step, reward = exact match + 0.5 x fraction of correct answer tokens) raises
-held-out exact-match accuracy to about 63-65% (measured: 0.296 -> 0.632 in one run; the
-latest figures and timing are in docs/benchmarks.md). No downloads; a few minutes on
-2 CPU cores. The before/after table and sample outputs are printed at the end and saved
-in `summary.json`.
+SFT phase that stops two thirds of the way through its learning-rate schedule, with the
+policy still making mistakes, then GRPO (64 prompts x 8 samples per step, reward = exact
+match + 0.5 x fraction of correct answer tokens) raises held-out exact-match accuracy.
+Measured for seeds 0 / 1 / 2 (`--config.seed`): 0.776 -> 0.792, 0.752 -> 0.758,
+0.630 -> 0.714. The SFT learning rate is 1e-3: at 3e-3 the SFT end point was bimodal
+(0.12 to 0.94 depending on the seed and even on float rounding), which left GRPO either
+nothing to fix or too little to start from. No downloads; about a minute on 2 CPU cores.
+The before/after table and sample outputs are printed at the end and saved in
+`summary.json`; the latest figures are in docs/benchmarks.md.
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """
@@ -25,7 +27,7 @@ def get_config(arg=None):
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, partial_credit=0.5)
     c.model = base.model(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4,
                          head_dim=32)
-    c.sft = base.sft(steps=600, batch_size=64, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=50,
+    c.sft = base.sft(steps=600, batch_size=64, optim=dict(lr=1e-3, schedule="cosine", warmup_steps=50,
                                                            decay_steps=900, end_lr_ratio=0.1))
     c.grpo = base.grpo(steps=300, prompts_per_step=64, sampling=dict(max_new_tokens=4, num_samples=8),
                        advantage="grpo", agg="token-mean", optim=dict(lr=3e-4, schedule="constant"))
