@@ -17,8 +17,9 @@ three runs each way).
 
 The cost is memory: freed blocks stay in the process, so its resident memory stays at its
 peak and fragmentation can raise that peak (the DPO benchmark's jaxrlhf worker: 1,272 MiB
-before, 1,466–2,098 MiB with it); threads allocating concurrently also share one heap lock. It only
-affects threads that have not allocated yet, so call it before the first JAX computation.
+before, 1,466–2,098 MiB with it); threads allocating concurrently also share one heap
+lock. It only affects threads that have not allocated yet, so call it before the first
+JAX computation.
 `python -m jaxrlhf.train` and the benchmarks call it; set `JAXRLHF_HOST_ALLOCATOR=default`
 to keep the C library's defaults. The same settings from the shell, for any program:
 

@@ -2,6 +2,5 @@
 
 from jaxrlhf.host_allocator import tune_host_allocator
 
-# As `python -m jaxrlhf.train` does: XLA:CPU reuses its buffers instead of re-mapping them
-# on every call, which also shortens the suite.
+# As `python -m jaxrlhf.train` does, so that the tests run the allocator setting users get.
 tune_host_allocator()
