@@ -19,12 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Every benchmark process (ours, the peers', the Tunix workers' in their own environment)
 # runs with the same allocator settings, applied before any framework allocates: glibc
-# keeps freed memory for reuse (see jaxrlhf/host_allocator.py, stdlib only).
+# keeps freed memory for reuse (jaxrlhf/host_allocator.py, stdlib only; opt-in for users).
+# JAXRLHF_HOST_ALLOCATOR=default measures without it.
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
-from jaxrlhf.host_allocator import tune_host_allocator  # noqa: E402
+from jaxrlhf.host_allocator import ENV_VAR, tune_host_allocator  # noqa: E402
 
-HOST_ALLOCATOR_TUNED = tune_host_allocator()
+HOST_ALLOCATOR_TUNED = tune_host_allocator(os.environ.get(ENV_VAR, "reuse"))
 WORKLOAD_CANDIDATES = [REPO.parent / "shared" / "workload_prompts.json", REPO / "shared" / "workload_prompts.json"]
 
 # WORKLOAD.md "Model" table.

@@ -9,7 +9,7 @@ match + 0.5 x fraction of correct answer tokens) raises held-out exact-match acc
 Measured for seeds 0 / 1 / 2 (`--config.seed`): 0.776 -> 0.792, 0.752 -> 0.758,
 0.630 -> 0.714. The SFT learning rate is 1e-3: at 3e-3 the SFT end point was bimodal
 (0.12 to 0.94 depending on the seed and even on float rounding), which left GRPO either
-nothing to fix or too little to start from. No downloads; about a minute on 2 CPU cores.
+nothing to fix or too little to start from. No downloads; under a minute on 2 CPU cores.
 The before/after table and sample outputs are printed at the end and saved in
 `summary.json`; the latest figures are in docs/benchmarks.md.
 

@@ -15,13 +15,18 @@ three runs each way).
 - `M_ARENA_MAX` = 1: XLA's worker threads share the main heap (a thread's own arena is
   capped at 64 MiB and would send large blocks back to `mmap`).
 
-The cost is memory: freed blocks stay in the process, so its resident memory stays at its
-peak and fragmentation can raise that peak (the DPO benchmark's jaxrlhf worker: 1,272 MiB
-before, 1,466–2,098 MiB with it); threads allocating concurrently also share one heap
-lock. It only affects threads that have not allocated yet, so call it before the first
-JAX computation.
-`python -m jaxrlhf.train` and the benchmarks call it; set `JAXRLHF_HOST_ALLOCATOR=default`
-to keep the C library's defaults. The same settings from the shell, for any program:
+It is off unless asked for, because it is not free. Freed blocks stay in the process, so
+its resident memory stays at its peak and fragmentation can raise that peak (the DPO
+benchmark's jaxrlhf worker: 1,272 MiB before, 1,466–2,098 MiB with it); and with one heap
+every thread's `malloc` takes the same lock, which slows XLA's multi-threaded compiler and
+the host side: the whole default task (`configs/addition_grpo.py`, many short programs)
+took 76 s with it against 55 s without, and the model and op tests 71 s against 58 s. It
+pays for long runs of the same large step; measure your own job both ways.
+
+Turn it on with `JAXRLHF_HOST_ALLOCATOR=reuse` (`python -m jaxrlhf.train` reads it) or by
+calling `tune_host_allocator("reuse")` before the first JAX computation (it only affects
+threads that have not allocated yet). The benchmarks run with it, on every side. The same
+settings from the shell, for any program:
 
     MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=2147483647 MALLOC_TRIM_THRESHOLD_=2147483647
 """
@@ -40,19 +45,24 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _KEEP = 2**31 - 1  # mallopt takes an int
 
 
-def tune_host_allocator() -> bool:
+def tune_host_allocator(choice: str | None = None) -> bool:
     """Makes glibc keep and reuse freed memory (see the module docstring).
 
-    Returns True when the settings were applied; False on a C library other than glibc, or
-    when `JAXRLHF_HOST_ALLOCATOR=default` asks to leave the allocator alone. Idempotent.
+    Args:
+      choice: "reuse" (apply the settings) or "default" (leave the C library alone); None
+        reads `JAXRLHF_HOST_ALLOCATOR`, which defaults to "default".
+
+    Returns True when the settings were applied; False when not asked for, or on a C library
+    other than glibc. Idempotent.
 
     Raises:
-      ValueError: `JAXRLHF_HOST_ALLOCATOR` holds something other than "default" or "reuse".
+      ValueError: the choice (or `JAXRLHF_HOST_ALLOCATOR`) is not "reuse" or "default".
     """
-    choice = os.environ.get(ENV_VAR, "reuse")
+    source = "choice" if choice is not None else ENV_VAR
+    choice = os.environ.get(ENV_VAR, "default") if choice is None else choice
     if choice not in ("reuse", "default"):
-        raise ValueError(f"{ENV_VAR}={choice!r}: expected 'reuse' (keep freed memory, the default) or 'default' "
-                         "(the C library's own settings)")
+        raise ValueError(f"{source}={choice!r}: expected 'reuse' (keep freed memory for reuse) or 'default' "
+                         "(the C library's own settings, the default)")
     if choice == "default" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)

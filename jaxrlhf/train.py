@@ -39,7 +39,8 @@ def main(argv):
     from jaxrlhf.parallel import distributed
     from jaxrlhf.runs import train_and_evaluate  # after flag parsing: keeps --help fast
 
-    # Before any computation: XLA:CPU's per-step buffers are then reused, not re-mapped.
+    # JAXRLHF_HOST_ALLOCATOR=reuse: XLA:CPU's per-step buffers are reused, not re-mapped.
+    # Applied before any computation; off by default (see jaxrlhf/host_allocator.py).
     tune_host_allocator()
 
     # Joins the other processes of a multi-host job (TPU pod, SLURM, launch/*.sh) before any

@@ -48,9 +48,13 @@ def test_temporaries_are_reused_not_refaulted():
     assert tuned["faults_per_call"] < 0.2 * default["faults_per_call"], (tuned, default)
 
 
-def test_env_var_is_checked(monkeypatch):
+def test_off_unless_asked_for_and_checked(monkeypatch):
+    monkeypatch.delenv(host_allocator.ENV_VAR, raising=False)
+    assert host_allocator.tune_host_allocator() is False
     monkeypatch.setenv(host_allocator.ENV_VAR, "default")
     assert host_allocator.tune_host_allocator() is False
     monkeypatch.setenv(host_allocator.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="JAXRLHF_HOST_ALLOCATOR='fast'"):
         host_allocator.tune_host_allocator()
+    with pytest.raises(ValueError, match="choice='on'"):
+        host_allocator.tune_host_allocator("on")
