@@ -151,3 +151,31 @@ def write_json(out: str | None, default_name: str, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def run_json_worker(cmd: list[str], label: str) -> tuple[dict, "CpuWatch"]:
+    """Runs a benchmark worker (another interpreter) inside a `CpuWatch`; returns the last
+    JSON line it printed and the watch. Raises RuntimeError with the tail of its stderr."""
+    import subprocess
+    import sys
+
+    with CpuWatch() as watch:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"[{label}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1]), watch
+
+
+def tunix_row(w: dict, watch: "CpuWatch", probe) -> dict:
+    """The fields every Tunix training row records, from a worker's JSON `w`: its own peak
+    RSS (VmHWM; `ru_maxrss` of a subprocess also counts the parent's peak at spawn), CPU
+    watches, the logit check against the torch model (`probe`), checks and settings."""
+    import numpy as np
+
+    return dict(peak_rss_mib=w["vm_hwm_mib"], ru_maxrss_mib=w["peak_rss_mib"], peak_rss_note=w["peak_rss_note"],
+                cpu_watch=w["cpu_watch"], cpu_watch_subprocess=watch.result(detail=True),
+                same_model_max_abs_logit_diff=float(np.max(np.abs(np.asarray(w["probe_logits"]) - probe))),
+                checks=w["checks"], settings=w["settings"], differences=w["differences"])
+

@@ -53,7 +53,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CpuWatch, hf_llama, load_workload, peak_rss_mib, summary, timed, word_tokenizer,  # noqa: E402
+from _common import (CpuWatch, hf_llama, load_workload, peak_rss_mib, run_json_worker, summary, timed, tunix_row,
+                     word_tokenizer,  # noqa: E402
                      write_json)
 
 B, P, T = 16, 32, 64
@@ -231,23 +232,16 @@ def _run_tunix(python: str, ckpt: str, ref: str, probe, warmup: int, repeats: in
            "--ckpt", ckpt, "--ref", ref, "--warmup", str(warmup), "--steps", str(repeats)]
     if prompts:
         cmd += ["--prompts", prompts]
-    with CpuWatch() as watch:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        print(f"[tunix --ref {ref}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return dict(error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
-    w = json.loads(lines[-1])
+    try:
+        w, watch = run_json_worker(cmd, f"tunix --ref {ref}")
+    except RuntimeError as e:
+        return dict(error=str(e))
     if w["checks"]["optimizer_steps"] != warmup + repeats or w["checks"]["params_changed"] == 0:
         return dict(error=f"tunix took {w['checks']['optimizer_steps']} optimizer steps and changed "
                           f"{w['checks']['params_changed']} parameters")
     return dict(stats=summary(w["step_times"]), step_times=w["step_times"], warmup_step_times=w["warmup_step_times"],
                 first_call_s=w["first_call_s"], ref_precompute_s=w["ref_precompute_s"], setup_s=w["setup_s"],
-                first_loss=w["first_loss"], last_loss=w["last_loss"], peak_rss_mib=w["vm_hwm_mib"],
-                ru_maxrss_mib=w["peak_rss_mib"], peak_rss_note=w["peak_rss_note"],
-                cpu_watch=w["cpu_watch"], cpu_watch_subprocess=watch.result(detail=True),
-                same_model_max_abs_logit_diff=float(np.max(np.abs(np.asarray(w["probe_logits"]) - probe))),
-                checks=w["checks"], settings=w["settings"], differences=w["differences"],
+                first_loss=w["first_loss"], last_loss=w["last_loss"], **tunix_row(w, watch, probe),
                 tunix_version=w["settings"]["tunix"], jax_version=w["settings"]["jax"],
                 note=f"tunix.sft.dpo.DPOTrainer (--ref {ref}) in a subprocess (tunix_dpo_worker.py); " + w["timing"])
 

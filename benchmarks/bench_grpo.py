@@ -292,18 +292,9 @@ def main(argv=None):
 
 def _run_tunix(python, ckpt, probe, warmup, steps, prompts) -> dict:
     """Tunix's GRPOLearner on the same workload, in its own interpreter (tunix_grpo_worker.py)."""
-    import json
-    import subprocess
-
     cmd = [python, str(Path(__file__).with_name("tunix_grpo_worker.py")), "--warmup", str(warmup),
            "--steps", str(steps), "--ckpt", ckpt] + (["--prompts", prompts] if prompts else [])
-    with _common.CpuWatch() as watch:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        print(f"[tunix] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
-    w = json.loads(lines[-1])
+    w, watch = _common.run_json_worker(cmd, "tunix")
     checks = w["checks"]
     if checks["new_tokens_per_completion"] != [T_NEW] or checks["completions_per_step"] != [PROMPTS_PER_STEP * G]:
         raise RuntimeError(f"tunix generated {checks['completions_per_step']} completions of "
@@ -316,10 +307,7 @@ def _run_tunix(python, ckpt, probe, warmup, steps, prompts) -> dict:
         stats=_common.summary(times, count_key="n"), step_times=times, generation_times=gens,
         generation_share=statistics.median(gens) / statistics.median(times), first_call_s=w["first_call_s"],
         warmup_step_times=w["warmup_step_times"], first_step=w["first_step"], last_reward_mean=w["last_reward_mean"],
-        peak_rss_mib=w["vm_hwm_mib"], ru_maxrss_mib=w["peak_rss_mib"], peak_rss_note=w["peak_rss_note"],
-        cpu_watch=w["cpu_watch"], cpu_watch_subprocess=watch.result(detail=True),
-        same_model_max_abs_logit_diff=float(np.max(np.abs(np.asarray(w["probe_logits"]) - probe))),
-        checks=checks, settings=w["settings"], differences=w["differences"],
+        **_common.tunix_row(w, watch, probe),
         versions={"tunix": w["settings"]["tunix"], "jax": w["settings"]["jax"]},
         note="tunix.rl.grpo GRPOLearner + RLCluster in a subprocess (tunix_grpo_worker.py); " + w["timing"])
 

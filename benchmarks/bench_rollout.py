@@ -120,14 +120,9 @@ def main():
 
 def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str | None) -> dict:
     """Tunix's sampler on the same workload, in its own interpreter (see the module doc)."""
-    import json
-    import subprocess
-
     cmd = [python, str(Path(__file__).with_name("tunix_rollout_worker.py")), "--batch", str(batch),
            "--warmup", str(warmup), "--repeats", str(repeats)] + (["--prompts", prompts] if prompts else [])
-    with _common.CpuWatch() as watch:
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r, watch = _common.run_json_worker(cmd, "tunix")
     if r["new_tokens_per_row"] != [NEW_TOKENS]:
         raise RuntimeError(f"tunix generated {r['new_tokens_per_row']} tokens per row, expected {NEW_TOKENS}")
     t = _common.summary(r["times"])
