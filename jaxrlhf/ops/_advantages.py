@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrlhf.ops import _checks, _masked
@@ -48,7 +49,21 @@ def _gae_associative(delta_TxB: jax.Array, decay_TxB: jax.Array) -> jax.Array:
 _BLOCK = 32  # block length of the "blocked" form; 16 and 64 measured slower on CPU
 
 
-def _gae_blocked(delta_BxT: jax.Array, decay: jax.Array) -> jax.Array:
+def _decay_powers(decay: float | jax.Array, size: int, stride: int = 1) -> jax.Array:
+    """Upper-triangular Toeplitz `P[s, t] = c^{stride·(s−t)}` for `s ≥ t`, else 0: `[size, size]`.
+
+    A concrete decay (Python floats γ, λ: the usual case) gives a float64 NumPy constant,
+    so nothing is computed per call; XLA:CPU does not fold `power` and spends a scalar libm
+    call per entry. A traced decay takes `size` powers and a gather.
+    """
+    gap = np.arange(size)[:, None] - np.arange(size)[None, :]
+    if isinstance(decay, float):
+        return np.where(gap >= 0, decay ** (stride * np.maximum(gap, 0.0)), 0.0).astype(np.float32)
+    vec = (decay**stride) ** jnp.arange(size, dtype=jnp.float32)
+    return jnp.where(gap >= 0, vec[np.maximum(gap, 0)], 0.0)
+
+
+def _gae_blocked(delta_BxT: jax.Array, decay: float | jax.Array) -> jax.Array:
     """`A_t = Σ_{s≥t} c^{s−t} δ_s` for a constant decay `c`, as two small matmuls.
 
     Valid when `m_{t+1}` in the decay only ever cuts at the end of the sequence, i.e. for
@@ -63,17 +78,14 @@ def _gae_blocked(delta_BxT: jax.Array, decay: jax.Array) -> jax.Array:
     delta = jnp.pad(delta_BxT, ((0, 0), (0, n * k - t))).reshape(b, n, k)
     hi = lax.Precision.HIGHEST  # f32 accumulation on TPU/GPU too (no bf16 / tf32 passes)
 
-    def powers(size):  # upper-triangular Toeplitz P[s, t] = c^{s−t} for s ≥ t, else 0
-        i = jnp.arange(size)
-        gap = i[:, None] - i[None, :]
-        return jnp.where(gap >= 0, decay ** jnp.maximum(gap, 0).astype(jnp.float32), 0.0)
-
     # Within each block, as if the sequence ended at the block's last token.
-    local = jnp.einsum("bns,st->bnt", delta, powers(k), precision=hi)
-    # Each block's true start value S_j = local_j[0] + c^K·S_{j+1}, all blocks at once.
-    starts = jnp.einsum("bs,st->bt", local[:, :, 0], powers(n) ** k, precision=hi)
-    next_start = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)))
-    carry_in = decay ** (k - jnp.arange(k)).astype(jnp.float32)  # c^{K−t} from block end
+    local = jnp.einsum("bns,st->bnt", delta, _decay_powers(decay, k), precision=hi)
+    # Block j's true start value S_j = local_j[0] + c^K·S_{j+1}; what block j needs is
+    # S_{j+1} = Σ_{i>j} c^{K(i−j−1)}·local_i[0]: one matmul with the shifted powers.
+    xp = np if isinstance(decay, float) else jnp  # constants stay NumPy when they can
+    shifted = xp.pad(_decay_powers(decay, n, k)[1:, 1:], ((1, 0), (0, 1)))
+    next_start = jnp.einsum("bs,st->bt", local[:, :, 0], shifted, precision=hi)
+    carry_in = (decay ** (k - xp.arange(k))).astype(xp.float32)  # c^{K−t} from block end
     adv = local + carry_in * next_start[:, :, None]
     return adv.reshape(b, n * k)[:, :t]
 
@@ -134,30 +146,48 @@ def gae(
     if method == "auto":
         method = _auto_method()
 
+    # γλ as a Python float when both are concrete, so that the blocked form's power
+    # matrices become compile-time constants.
+    decay = _concrete_product(gamma, lam)
     gamma = jnp.asarray(gamma, jnp.float32)
     lam = jnp.asarray(lam, jnp.float32)
-    rewards = jnp.where(mask, rewards, 0.0)
-    values = jnp.where(mask, values, 0.0)
+    if decay is None:
+        decay = gamma * lam
     # V_{t+1}·m_{t+1} is the shifted masked values: no separate next-mask pass.
-    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
-    delta = rewards + gamma * next_values - values
+    masked_values = jnp.where(mask, values, 0.0)
+    next_values = jnp.pad(masked_values[:, 1:], ((0, 0), (0, 1)))
+    delta = jnp.where(mask, rewards, 0.0) + gamma * next_values - masked_values
 
+    # Each branch forms the returns from the unmasked values (A = 0 on padding anyway),
+    # so that XLA fuses the masking into δ instead of writing masked values out.
     def exact(delta):  # time-major: the scans walk the leading axis
         next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
         solve = _gae_associative if method == "associative" else _gae_scan
-        return jnp.where(mask, solve(delta.T, (gamma * lam * next_mask).T).T, 0.0)
+        adv = jnp.where(mask, solve(delta.T, (decay * next_mask).T).T, 0.0)
+        return adv, jnp.where(mask, adv + values, 0.0)
+
+    def blocked(delta):
+        adv = _gae_blocked(delta, decay)
+        return adv, jnp.where(mask, adv + values, 0.0)
 
     if method == "blocked":
         # The fast form assumes the SPEC §1 prefix mask; any other mask takes the exact
         # scan, so the result never depends on the method. (Under vmap both run.) With a
         # prefix mask δ is exactly 0 on padding, so the blocked sums are too: no masking
-        # pass. The check reduces rows first: one flat `all` over [B, T] becomes a slow
-        # reduce-window on XLA:CPU.
-        is_prefix = jnp.all(jnp.all(mask[:, 1:] <= mask[:, :-1], axis=1))
-        adv = lax.cond(is_prefix, lambda d: _gae_blocked(d, gamma * lam), exact, delta)
+        # pass. The check is a max over uint8 rises 0 → 1: on XLA:CPU it stays one loop,
+        # where a boolean `all` or a float sum over [B, T] costs 2–3× as much.
+        rises = (mask[:, 1:] > mask[:, :-1]).astype(jnp.uint8)
+        adv, ret = lax.cond(jnp.max(rises) == 0, blocked, exact, delta)
     else:
-        adv = exact(delta)
-    return GAEOutput(advantages=adv, returns=jnp.where(mask, adv + values, 0.0))
+        adv, ret = exact(delta)
+    return GAEOutput(advantages=adv, returns=ret)
+
+
+def _concrete_product(gamma, lam) -> float | None:
+    """`γ·λ` rounded as float32 arithmetic would, or None when either is traced."""
+    if isinstance(gamma, jax.core.Tracer) or isinstance(lam, jax.core.Tracer):
+        return None
+    return float(np.float32(gamma) * np.float32(lam))
 
 
 def whiten(

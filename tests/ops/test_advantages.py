@@ -56,6 +56,24 @@ def test_gae_methods_agree_on_long_sequences():
         np.testing.assert_allclose(other.advantages, scan.advantages, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["float-decay", "traced-decay"])
+def test_blocked_gae_over_several_blocks_matches_reference(traced):
+    # 70 tokens: two full blocks and a ragged third. Python-float γ, λ build the power
+    # matrices as constants; traced ones (γ, λ as jit arguments) build them in the program.
+    rng = np.random.default_rng(2)
+    rewards, values = rng.standard_normal((2, 4, 70)).astype(np.float32)
+    mask = inputs.prefix_mask([0, 1, 33, 70], 70)
+    gamma, lam = 0.99, 0.9
+    if traced:
+        fn = jax.jit(lambda r, v, m, g, l: ops.gae(r, v, m, g, l, method="blocked"))
+        out = fn(rewards, values, mask, jnp.float32(gamma), jnp.float32(lam))
+    else:
+        out = ops.gae(rewards, values, mask, gamma, lam, method="blocked")
+    adv, ret = reference.gae(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(out.advantages, adv, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.returns, ret, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_gae_masks_with_holes_follow_the_formula(method):
     # SPEC §1 promises prefix masks, but a mask with holes must still give SPEC §4's
