@@ -451,16 +451,19 @@ def constrain_batch(batch: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
 
 
 def cache_shardings(cache: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
-    """Shardings of a KV cache (`KVCache` leaves `[B, K, S, H]`): batch over the `batch`
-    rule's axes and kv heads over the `kv_heads` rule's axes, each only when it divides
-    (otherwise that dimension is replicated: e.g. 1 kv head under tensor=2)."""
-    def one(x):
+    """Shardings of a KV cache (per layer `KVCache(k [B, K, H, S], v [B, K, S, H])`; bare
+    4-D leaves are read as `[B, K, S, H]`): batch over the `batch` rule's axes and kv heads
+    over the `kv_heads` rule's axes, each only when it divides (otherwise that dimension is
+    replicated: e.g. 1 kv head under tensor=2)."""
+    def one(path, x):
         if np.ndim(x) != 4:
-            raise ValueError(f"KV cache leaves must be [B, K, S, H], got shape {np.shape(x)}")
-        spec = logical_to_spec(("batch", "kv_heads", "cache_length", "head_dim"), np.shape(x), mesh, rules,
-                               where="KV cache", on_indivisible="replicate")
+            raise ValueError(f"KV cache leaves must be 4-D [B, K, ., .], got shape {np.shape(x)}")
+        is_key = bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "k"
+        names = (("batch", "kv_heads", "head_dim", "cache_length") if is_key
+                 else ("batch", "kv_heads", "cache_length", "head_dim"))
+        spec = logical_to_spec(names, np.shape(x), mesh, rules, where="KV cache", on_indivisible="replicate")
         return NamedSharding(mesh, spec)
-    return jax.tree.map(one, cache)
+    return jax.tree_util.tree_map_with_path(one, cache)
 
 
 # ----------------------------------------------------------------------------- steps

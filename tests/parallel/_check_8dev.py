@@ -27,7 +27,7 @@ import _models as M  # noqa: E402
 from jaxrlhf import parallel  # noqa: E402
 from jaxrlhf.algorithms.common import TrainState  # noqa: E402
 from jaxrlhf.models import load_pretrained, random_init, save_pretrained  # noqa: E402
-from jaxrlhf.models.transformer import Transformer, init_params  # noqa: E402
+from jaxrlhf.models.transformer import Transformer, init_cache, init_params  # noqa: E402
 from jaxrlhf.rollout.sampler import generate  # noqa: E402
 
 MESHES = {"fsdp4_tensor2": "data=1,fsdp=4,tensor=2", "data2_fsdp4": "data=2,fsdp=4,tensor=1"}
@@ -275,6 +275,8 @@ def sampler_greedy_equals_unsharded():
     assert parallel.cache_shardings(cache, mesh)[0].spec == P("fsdp", "tensor", None, None)
     one_kv = parallel.cache_shardings([jnp.zeros((8, 1, 11, 8))], mesh)[0].spec
     assert one_kv == P("fsdp", None, None, None), one_kv
+    layer = parallel.cache_shardings(init_cache(model.config, 8, 11), mesh)[0]  # k [B,K,H,S], v [B,K,S,H]
+    assert (layer.k.spec, layer.v.spec) == (P("fsdp", "tensor", None, None),) * 2, layer
     return f"tokens {np.asarray(ref.response_ids)[0].tolist()}"
 
 

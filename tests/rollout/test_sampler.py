@@ -1,5 +1,7 @@
 """The sampler against the model's own full forward pass, transformers, and statistics."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 from jaxrlhf import ops
 from jaxrlhf.models import ModelConfig, Transformer, init_params
-from jaxrlhf.rollout import generate, truncate_logits
+from jaxrlhf.rollout import generate, sampler, truncate_logits
 
 CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -149,6 +151,31 @@ def test_deterministic_for_a_given_key():
     c = generate(MODEL, PARAMS, ids, mask, jax.random.key(10), max_new_tokens=8, temperature=1.5)
     np.testing.assert_array_equal(np.asarray(a.response_ids), np.asarray(b.response_ids))
     assert (np.asarray(a.response_ids) != np.asarray(c.response_ids)).any()
+
+
+def test_each_step_draws_what_jax_random_categorical_draws():
+    # Step t samples categorical(fold_in(key, t), logits/τ); the sampler's Gumbel noise is
+    # drawn for several steps at once, which must not change that.
+    ids, mask = _prompts(np.random.default_rng(12), 3, 5, min_len=5)
+    key, tau = jax.random.key(4), 1.7
+    out = generate(MODEL, PARAMS, ids, mask, key, max_new_tokens=4, temperature=tau)
+    seq = np.asarray(out.sequences)
+    logits = _full_logits(seq, np.ones_like(seq, bool))[:, ids.shape[1] - 1:-1]
+    want = [jax.random.categorical(jax.random.fold_in(key, t), logits[:, t] / tau) for t in range(4)]
+    np.testing.assert_array_equal(np.asarray(out.response_ids), np.stack(want, axis=1))
+
+
+def test_noise_chunk_size_never_changes_a_sample(monkeypatch):
+    ids, mask = _prompts(np.random.default_rng(13), 3, 5)
+    kw = dict(max_new_tokens=7, temperature=1.3, top_k=20)
+    run = lambda: jax.jit(functools.partial(sampler.sample, MODEL, **kw))(PARAMS, ids, mask, jax.random.key(5))
+    whole = run()
+    assert sampler._noise_chunk(3, CFG.vocab_size, 7) == 7
+    monkeypatch.setattr(sampler, "_NOISE_CHUNK_BYTES", 2 * 4 * 3 * CFG.vocab_size)
+    assert sampler._noise_chunk(3, CFG.vocab_size, 7) == 2  # refills inside the loop
+    chunked = run()
+    np.testing.assert_array_equal(np.asarray(chunked.response_ids), np.asarray(whole.response_ids))
+    np.testing.assert_array_equal(np.asarray(chunked.logprobs), np.asarray(whole.logprobs))
 
 
 @pytest.mark.parametrize("kwargs,msg", [
