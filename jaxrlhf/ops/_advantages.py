@@ -91,12 +91,12 @@ def _gae_blocked(delta_BxT: jax.Array, decay: float | jax.Array) -> jax.Array:
 
 
 def _auto_method() -> str:
-    # XLA:CPU, jit, float32, median ms of benchmarks/bench_ops.py on a shared 2-core
-    # machine (2026-11-29, load average ~10, so only the ratios mean much):
-    #   [B, T]        scan   associative  blocked   (rlax 0.055 / 0.184 / 3.57)
-    #   (16, 64)      0.052  0.060        0.058
-    #   (64, 512)     0.175  0.478        0.191
-    #   (256, 2048)   4.58   15.2         2.19
+    # XLA:CPU, jit, float32, median ms of benchmarks/bench_ops.py (2026-11-30, idle
+    # 2-core machine, 100 calls each):
+    #   [B, T]        scan   associative  blocked   (rlax 0.050 / 0.190 / 2.53)
+    #   (16, 64)      0.042  0.057        0.047
+    #   (64, 512)     0.198  0.449        0.114
+    #   (256, 2048)   2.49   6.50         0.796
     # The associative form's strided slices are slow on CPU; "blocked" wins where it
     # matters and ties elsewhere. On GPU/TPU a sequential scan pays one step per token,
     # so the log-depth form is chosen there (not measured: no accelerator here).
