@@ -4,7 +4,12 @@
 
 SFT from scratch, then DPO against the SFT policy as the reference on pairs (correct
 answer vs a corrupted one). Reports held-out preference accuracy (implicit-reward margin
-> 0) and held-out exact-match accuracy before and after.
+> 0) and held-out exact-match accuracy before and after. Measured in one run (seed 0):
+preference accuracy 0.906 on held-out pairs, while greedy exact match falls from the SFT
+warm start's 0.776 to 0.604 (DPO lr 1e-4: 0.746, 3e-5: 0.710). Ranking a corrupted
+answer below the right one is what the pairs teach, and DPO pushes the chosen answers'
+likelihood down too (mean chosen implicit reward < 0); the GRPO config is the one that
+improves accuracy.
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """
@@ -19,9 +24,7 @@ def get_config(arg=None):
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, num_pairs=4000)
     c.model = base.model()
-    # The default task's warm start: stops part-way through its schedule, ~30% exact match.
-    c.sft = base.sft(steps=600, batch_size=64, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=50,
-                                                           decay_steps=900, end_lr_ratio=0.1))
+    c.sft = base.addition_warm_start()
     c.dpo = base.pairs_phase("dpo", steps=200, batch_size=64, beta=0.1, optim=dict(lr=3e-4))
     c.train = base.train(log_every=5, eval_every=50, checkpoint_every=100)
     if arg == "tiny":

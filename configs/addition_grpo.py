@@ -27,10 +27,8 @@ def get_config(arg=None):
     c.seed = 0
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, partial_credit=0.5)
-    c.model = base.model(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4,
-                         head_dim=32)
-    c.sft = base.sft(steps=600, batch_size=64, optim=dict(lr=1e-3, schedule="cosine", warmup_steps=50,
-                                                           decay_steps=900, end_lr_ratio=0.1))
+    c.model = base.model()  # 0.43M parameters: 2 layers, width 128
+    c.sft = base.addition_warm_start()
     c.grpo = base.grpo(steps=300, prompts_per_step=64, sampling=dict(max_new_tokens=4, num_samples=8),
                        advantage="grpo", agg="token-mean", optim=dict(lr=1e-4, schedule="constant"))
     c.train = base.train(log_every=5, eval_every=25, checkpoint_every=50)

@@ -19,9 +19,7 @@ def get_config(arg=None):
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, num_pairs=4000)
     c.model = base.model()
-    # The default task's warm start: stops part-way through its schedule, ~30% exact match.
-    c.sft = base.sft(steps=600, batch_size=64, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=50,
-                                                           decay_steps=900, end_lr_ratio=0.1))
+    c.sft = base.addition_warm_start()
     c.reward_model = base.pairs_phase("reward_model", steps=300, batch_size=64,
                                       optim=dict(lr=1e-3, schedule="cosine", warmup_steps=20))
     c.train = base.train(log_every=5, eval_every=50, checkpoint_every=100)
