@@ -8,6 +8,12 @@ With `--tunix-python`, Google's Tunix sampler runs too, in that interpreter's en
 (`tunix_rollout_worker.py`; Tunix's own Llama3 at the workload's sizes, same jax), right
 after ours and transformers' for each B, in the same run.
 
+With `--cpu-devices N` (N > 1), one more row: our sampler with the batch split over N
+XLA:CPU devices, one per core (`rollout_devices_worker.py`, its own process, since the
+device count is fixed when jax starts). Its greedy tokens and the sampled tokens of a fixed
+key must equal the one-device sampler's. The headline ratios stay those of the one-device
+row, the configuration the peers run in.
+
 16 prompts x 32 tokens -> exactly 64 new tokens, temperature 1, top-k/top-p off, KV cache on,
 tiny Llama in float32 on the CPU, torch with 2 threads. Both models get the same weights
 (the HF model's default init after `torch.manual_seed(0)`, converted), and greedy decoding
@@ -39,6 +45,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--tunix-python", default=None, help="a python with google-tunix installed")
+    ap.add_argument("--cpu-devices", type=int, default=0,
+                    help="also run the sampler with the batch over this many CPU devices (0: off)")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
 
@@ -63,11 +71,12 @@ def main():
 
     # Same tokens under greedy decoding: the two implementations compute the same model.
     p8 = prompts[:2]
-    ours = generate(model, params, p8, np.ones_like(p8, bool), jax.random.key(0), max_new_tokens=16, temperature=0.0)
+    greedy = generate(model, params, p8, np.ones_like(p8, bool), jax.random.key(0), max_new_tokens=16,
+                      temperature=0.0)
     with torch.no_grad():
         theirs = hf.generate(torch.tensor(p8, dtype=torch.long), attention_mask=torch.ones(p8.shape, dtype=torch.long),
                              do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
-    results["greedy_tokens_equal"] = bool((np.asarray(ours.response_ids) == theirs[:, 32:].numpy()).all())
+    results["greedy_tokens_equal"] = bool((np.asarray(greedy.response_ids) == theirs[:, 32:].numpy()).all())
 
     for b in args.batch:
         batch = np.concatenate([prompts] * (b // len(prompts) + 1))[:b] if b > len(prompts) else prompts[:b]
@@ -98,6 +107,10 @@ def main():
             results["runs"].append(t)
         if args.tunix_python:
             results["runs"].append(_run_tunix(args.tunix_python, b, warmup, repeats, args.prompts))
+        if args.cpu_devices > 1:
+            sampled = generate(model, params, jbatch, jmask, jax.random.key(7), max_new_tokens=NEW_TOKENS)
+            results["runs"].append(_run_devices(args.cpu_devices, b, warmup, repeats, args.prompts,
+                                                np.asarray(greedy.response_ids), np.asarray(sampled.response_ids)))
     results["peak_rss_mib"] = _common.peak_rss_mib()
 
     print(f"greedy tokens equal: {results['greedy_tokens_equal']}\n")
@@ -106,14 +119,16 @@ def main():
     for r in results["runs"]:
         print(f"| {r['batch']} | {r['impl']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['max_s']:.4f} | "
               f"{r['tokens_per_s']:,.0f} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
+    multi = f"jaxrlhf ({args.cpu_devices} CPU devices)"
     for b in args.batch:
-        ours = next(r for r in results["runs"] if r["batch"] == b and r["impl"] == "jaxrlhf")
-        for peer in ("transformers", "tunix"):
-            theirs = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == peer), None)
-            if theirs is not None:
-                ratio = theirs["median_s"] / ours["median_s"]
-                results[f"speedup_vs_{peer}_B{b}"] = ratio
-                print(f"B={b}: jaxrlhf / {peer} speed = {ratio:.2f}x")
+        for label, key in (("jaxrlhf", ""), (multi, "_multi_device")):
+            ours = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == label), None)
+            for peer in ("transformers", "tunix"):
+                theirs = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == peer), None)
+                if ours is not None and theirs is not None:
+                    ratio = theirs["median_s"] / ours["median_s"]
+                    results[f"speedup{key}_vs_{peer}_B{b}"] = ratio
+                    print(f"B={b}: {label} / {peer} speed = {ratio:.2f}x")
     print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
     print("wrote", _common.write_json(args.out, "rollout.json", results))
 
@@ -129,6 +144,25 @@ def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str 
     # The watch spans the worker's start-up and compile too; its own process is excluded.
     t.update(watch.result(), impl="tunix", batch=batch, tokens_per_s=batch * NEW_TOKENS / t["median_s"],
              first_call_s=r["first_call_s"], versions={"tunix": r["tunix"], "jax": r["jax"]})
+    return t
+
+
+def _run_devices(devices: int, batch: int, warmup: int, repeats: int, prompts: str | None,
+                 greedy_1dev: np.ndarray, sampled_1dev: np.ndarray) -> dict:
+    """Our sampler with the batch over `devices` CPU devices, in its own process."""
+    cmd = [sys.executable, str(Path(__file__).with_name("rollout_devices_worker.py")), "--devices", str(devices),
+           "--batch", str(batch), "--new-tokens", str(NEW_TOKENS), "--warmup", str(warmup),
+           "--repeats", str(repeats)] + (["--prompts", prompts] if prompts else [])
+    r, watch = _common.run_json_worker(cmd, f"{devices} devices")
+    same_greedy = bool((np.asarray(r["greedy_tokens"]) == greedy_1dev).all())
+    same_sampled = bool((np.asarray(r["sampled_tokens_key7"]) == sampled_1dev).all())
+    if not same_greedy:
+        raise RuntimeError(f"the sampler over {devices} devices decodes other greedy tokens than on one")
+    t = _common.summary(r["times"])
+    t.update(watch.result(), impl=f"jaxrlhf ({devices} CPU devices)", batch=batch,
+             tokens_per_s=batch * NEW_TOKENS / t["median_s"], first_call_s=r["first_call_s"],
+             greedy_tokens_equal_one_device=same_greedy, sampled_tokens_equal_one_device=same_sampled,
+             peak_rss_mib=r["peak_rss_mib"])
     return t
 
 

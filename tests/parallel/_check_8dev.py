@@ -256,7 +256,7 @@ def train_step_equals_unsharded():
 
 
 @check
-def sampler_greedy_equals_unsharded():
+def sampler_equals_unsharded():
     model = Transformer(M.QWEN3)
     params = M.scale_params(init_params(model, jax.random.key(5)), 8.0)
     ids, mask = M.prompts()
@@ -270,6 +270,12 @@ def sampler_greedy_equals_unsharded():
         np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(ref.response_ids), err_msg=spec)
         close(out.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4, what=spec)
         assert out.response_ids.sharding.spec == parallel.batch_spec(2, mesh, rows=8)
+        # Sampling too: each row's Gumbel noise does not depend on how the rows are split.
+        hot = dict(kw, temperature=1.0)
+        want = generate(model, params, ids, mask, jax.random.key(3), **hot)
+        got = parallel.generate_sharded(model, jax.device_put(params, p_sh), ids, mask, jax.random.key(3),
+                                        mesh=mesh, params_shardings=p_sh, **hot)
+        np.testing.assert_array_equal(np.asarray(got.response_ids), np.asarray(want.response_ids), err_msg=spec)
     cache = [jnp.zeros((8, 2, 11, 8))] * 2
     mesh = parallel.make_mesh(MESHES["fsdp4_tensor2"])
     assert parallel.cache_shardings(cache, mesh)[0].spec == P("fsdp", "tensor", None, None)
