@@ -97,7 +97,7 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     """`jnp.argmax(x, -1)` (first index of the maximum) as two plain reductions.
 
     XLA:CPU runs argmax as one variadic (value, index) reduction that does not vectorise:
-    88 µs per decode step at [16, 512], against ~10 µs for a max and an index min.
+    88 µs of a profiled decode step at [16, 512]; a max and an index min take ~9 µs.
     """
     v = x_BxV.shape[-1]
     is_max = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
