@@ -27,8 +27,9 @@ def _prompts(rng, b, p, min_len=1):
     return np.where(mask, ids, 0), mask
 
 
-def _full_logits(seq, mask):
-    return MODEL.apply({"params": PARAMS}, jnp.asarray(seq), jnp.asarray(mask)).logits
+@jax.jit
+def _full_logits(seq, mask):  # jitted: eager dispatch recompiled every op for each length
+    return MODEL.apply({"params": PARAMS}, seq, mask).logits
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward():
