@@ -158,17 +158,10 @@ def gae(
     next_values = jnp.pad(masked_values[:, 1:], ((0, 0), (0, 1)))
     delta = jnp.where(mask, rewards, 0.0) + gamma * next_values - masked_values
 
-    # Each branch forms the returns from the unmasked values (A = 0 on padding anyway),
-    # so that XLA fuses the masking into δ instead of writing masked values out.
     def exact(delta):  # time-major: the scans walk the leading axis
         next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
         solve = _gae_associative if method == "associative" else _gae_scan
-        adv = jnp.where(mask, solve(delta.T, (decay * next_mask).T).T, 0.0)
-        return adv, jnp.where(mask, adv + values, 0.0)
-
-    def blocked(delta):
-        adv = _gae_blocked(delta, decay)
-        return adv, jnp.where(mask, adv + values, 0.0)
+        return jnp.where(mask, solve(delta.T, (decay * next_mask).T).T, 0.0)
 
     if method == "blocked":
         # The fast form assumes the SPEC §1 prefix mask; any other mask takes the exact
@@ -177,10 +170,13 @@ def gae(
         # pass. The check is a max over uint8 rises 0 → 1: on XLA:CPU it stays one loop,
         # where a boolean `all` or a float sum over [B, T] costs 2–3× as much.
         rises = (mask[:, 1:] > mask[:, :-1]).astype(jnp.uint8)
-        adv, ret = lax.cond(jnp.max(rises) == 0, blocked, exact, delta)
+        adv = lax.cond(jnp.max(rises) == 0, lambda d: _gae_blocked(d, decay), exact, delta)
     else:
-        adv, ret = exact(delta)
-    return GAEOutput(advantages=adv, returns=ret)
+        adv = exact(delta)
+    # The returns take the unmasked values (A = 0 on padding anyway): the masked values
+    # then have δ as their only consumer, and XLA fuses them into it instead of writing
+    # them out.
+    return GAEOutput(advantages=adv, returns=jnp.where(mask, adv + values, 0.0))
 
 
 def _concrete_product(gamma, lam) -> float | None:
