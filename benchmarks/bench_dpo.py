@@ -53,9 +53,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CpuWatch, hf_llama, load_workload, peak_rss_mib, run_json_worker, summary, timed, tunix_row,
-                     word_tokenizer,  # noqa: E402
-                     write_json)
+from _common import (CpuWatch, hf_llama, load_workload, peak_rss_mib, run_json_worker, summary,  # noqa: E402
+                     timed, tunix_row, word_tokenizer, write_json)
 
 B, P, T = 16, 32, 64
 BETA, LR = 0.1, 1e-5
