@@ -8,6 +8,11 @@ With `--tunix-python`, Google's Tunix sampler runs too, in that interpreter's en
 (`tunix_rollout_worker.py`; Tunix's own Llama3 at the workload's sizes, same jax), right
 after ours and transformers' for each B, in the same run.
 
+The `jaxrlhf` row is `generate` as a user calls it: on this CPU it runs the prompts as one
+row block per core, each on its own thread (`cpu_threads`, jaxrlhf/rollout/sampler.py),
+since XLA:CPU runs one decode program on about one core. `jaxrlhf (one program)` is
+`cpu_threads=1`; both must sample the same tokens for a fixed key (checked).
+
 With `--cpu-devices N` (N > 1), one more row: our sampler with the batch split over N
 XLA:CPU devices, one per core (`rollout_devices_worker.py`, its own process, since the
 device count is fixed when jax starts). Its greedy tokens and the sampled tokens of a fixed
@@ -55,7 +60,7 @@ def main():
     import torch
 
     from jaxrlhf.models import load_pretrained
-    from jaxrlhf.rollout import generate
+    from jaxrlhf.rollout import generate, sampler
 
     torch.set_num_threads(2)
     workload = _common.load_workload(args.prompts)
@@ -87,9 +92,16 @@ def main():
         start = time.perf_counter()
         generate(model, params, jbatch, jmask, next(keys), max_new_tokens=NEW_TOKENS).response_ids.block_until_ready()
         compile_s = time.perf_counter() - start
+        one = lambda key: generate(model, params, jbatch, jmask, key, max_new_tokens=NEW_TOKENS, cpu_threads=1)
+        if not (one(jax.random.key(7)).response_ids == generate(model, params, jbatch, jmask, jax.random.key(7),
+                                                                 max_new_tokens=NEW_TOKENS).response_ids).all():
+            raise RuntimeError("generate's row blocks sample other tokens than one program")
 
         def run_ours():
             generate(model, params, jbatch, jmask, next(keys), max_new_tokens=NEW_TOKENS).response_ids.block_until_ready()
+
+        def run_one_program():
+            one(next(keys)).response_ids.block_until_ready()
 
         tb, tm = torch.tensor(batch, dtype=torch.long), torch.ones(batch.shape, dtype=torch.long)
 
@@ -98,12 +110,12 @@ def main():
                 hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_cache=True, pad_token_id=0)
 
-        for name, fn in (("jaxrlhf", run_ours), ("transformers", run_hf)):
+        for name, fn in (("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf)):
             with _common.CpuWatch() as watch:
                 t = _common.timed(fn, warmup=warmup, repeats=repeats)
             t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * NEW_TOKENS / t["median_s"])
             if name == "jaxrlhf":
-                t["first_call_s"] = compile_s
+                t.update(first_call_s=compile_s, row_blocks=sampler.cpu_row_blocks(b, params, jbatch))
             results["runs"].append(t)
         if args.tunix_python:
             results["runs"].append(_run_tunix(args.tunix_python, b, warmup, repeats, args.prompts))
@@ -121,7 +133,7 @@ def main():
               f"{r['tokens_per_s']:,.0f} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
     multi = f"jaxrlhf ({args.cpu_devices} CPU devices)"
     for b in args.batch:
-        for label, key in (("jaxrlhf", ""), (multi, "_multi_device")):
+        for label, key in (("jaxrlhf", ""), ("jaxrlhf (one program)", "_one_program"), (multi, "_multi_device")):
             ours = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == label), None)
             for peer in ("transformers", "tunix"):
                 theirs = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == peer), None)

@@ -11,11 +11,17 @@ Log-probabilities returned with the tokens are those of `softmax(logits / τ)` o
 first PPO ratio is 1 up to float rounding. (Truncation changes which tokens can be drawn,
 not the density the trainer's ratios and KL are measured against.) With `temperature=0`
 decoding is greedy and the log-probs are those of `softmax(logits)`.
+
+Row r samples step t with the Gumbel noise of `fold_in(fold_in(rng, r), t)`, so a row's
+tokens depend on its prompt, its index and the key, never on the other rows: a batch split
+by rows (over a mesh, or into `generate`'s CPU row blocks) samples what it samples whole.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -123,8 +129,9 @@ def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p):
 
 
 # Gumbel noise for several decode steps is drawn in one call: on XLA:CPU the Threefry hash
-# runs as a loop, and one call per step cost more than the hashing itself. The noise of step
-# t is always `gumbel(fold_in(rng, t), [N, V])`, so the chunk size never changes a sample.
+# runs as a loop, and one call per step cost more than the hashing itself. Row r's noise at
+# step t is always `gumbel(fold_in(fold_in(rng, r), t), [V])`: it depends on neither the
+# chunk size nor the other rows, so a batch split into row blocks samples the same tokens.
 _NOISE_CHUNK_BYTES = 16 * 2**20
 
 
@@ -132,10 +139,16 @@ def _noise_chunk(n: int, v: int, t_max: int) -> int:
     return max(1, min(t_max, _NOISE_CHUNK_BYTES // (4 * n * v)))
 
 
-def _gumbel_steps(rng, first_step, steps: int, n: int, v: int) -> jax.Array:
-    """`[steps, N, V]` float32 noise for decode steps `first_step ..`."""
-    draw = lambda t: jax.random.gumbel(jax.random.fold_in(rng, t), (n, v), jnp.float32)
-    return jax.vmap(draw)(first_step + jnp.arange(steps))
+def _row_keys(rng: jax.Array, n: int, first_row=0) -> jax.Array:
+    """`[N]` keys of rows `first_row .. first_row + N - 1`: `fold_in(rng, row)`."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n))
+
+
+def _gumbel_steps(keys_N, first_step, steps: int, v: int) -> jax.Array:
+    """`[steps, N, V]` float32 noise for decode steps `first_step ..` of the rows `keys_N`."""
+    row = lambda key, t: jax.random.gumbel(jax.random.fold_in(key, t), (v,), jnp.float32)
+    per_step = lambda t: jax.vmap(row, (0, None))(keys_N, t)
+    return jax.vmap(per_step)(first_step + jnp.arange(steps))
 
 
 def sample(
@@ -153,8 +166,14 @@ def sample(
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
+    first_row: int | jax.Array = 0,
 ) -> SampleOutput:
-    """Sample responses; traceable (call it inside your own jit) — see `generate`."""
+    """Sample responses; traceable (call it inside your own jit) — see `generate`.
+
+    `first_row`: the index of this batch's first output row in a larger batch that was
+    split by rows (may be traced). Row r draws its noise from `fold_in(rng, r)`, so blocks
+    given their offsets sample exactly what the whole batch samples.
+    """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
     b, p = prompt_ids.shape
     t_max = int(max_new_tokens)
@@ -175,14 +194,15 @@ def sample(
 
     v = model.config.vocab_size
     chunk = _noise_chunk(n, v, t_max) if temperature > 0 else 0
+    keys_N = _row_keys(rng, n, first_row) if chunk else None
 
     def noise_for(state, t):  # [N, V] Gumbel noise of step t (None when greedy)
         if not chunk:
             return None, state
         if isinstance(t, int):  # step 0, before the loop: the first chunk
-            state = dict(state, noise=_gumbel_steps(rng, t, chunk, n, v))
+            state = dict(state, noise=_gumbel_steps(keys_N, t, chunk, v))
         elif chunk < t_max:  # inside the loop: refill at the start of each chunk
-            noise = jax.lax.cond(t % chunk == 0, lambda: _gumbel_steps(rng, t, chunk, n, v),
+            noise = jax.lax.cond(t % chunk == 0, lambda: _gumbel_steps(keys_N, t, chunk, v),
                                  lambda: state["noise"])
             state = dict(state, noise=noise)
         return jax.lax.dynamic_index_in_dim(state["noise"], t % chunk, keepdims=False), state
@@ -243,6 +263,49 @@ def _compiled(model, **static):
     return jax.jit(functools.partial(sample, model, **static))
 
 
+@jax.jit
+def _concat_rows(outs: list[SampleOutput]) -> SampleOutput:
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
+
+
+@functools.lru_cache(maxsize=4)
+def _thread_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxrlhf-generate")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_row_blocks(batch_size: int, *trees, cpu_threads: int | None = None) -> int:
+    """How many concurrent row blocks `generate` splits `batch_size` prompts into.
+
+    More than one only when every array in `trees` is concrete and lives on one and the
+    same CPU device (nothing sharded, nothing traced): the largest divisor of the batch
+    that is at most `cpu_threads` (None: the usable cores of this process).
+    """
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be None or >= 1, got {cpu_threads}")
+    threads = _usable_cores() if cpu_threads is None else int(cpu_threads)
+    if threads == 1 or batch_size < 2:
+        return 1
+    devices = set()
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.core.Tracer):
+            return 1
+        if isinstance(leaf, jax.Array):
+            devices |= leaf.sharding.device_set
+    if len(devices) > 1:
+        return 1
+    device = devices.pop() if devices else jax.devices()[0]
+    if device.platform != "cpu":
+        return 1
+    return max(d for d in range(1, min(threads, batch_size) + 1) if batch_size % d == 0)
+
+
 def generate(
     model: Transformer,
     params,
@@ -258,6 +321,7 @@ def generate(
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
+    cpu_threads: int | None = None,
 ) -> SampleOutput:
     """Sample `num_samples` responses per left-padded prompt; jitted once per shape.
 
@@ -273,6 +337,12 @@ def generate(
       pad_id: written after EOS.
       num_samples: G responses per prompt, rows `b·G .. b·G + G − 1`.
       max_len: an explicit cap on P + T (defaults to config.max_position_embeddings).
+      cpu_threads: on a CPU device, run the prompts as up to this many row blocks at once,
+        one thread each (None: one per usable core; 1: a single program). XLA:CPU runs a
+        decode step's small ops on one core, so one program leaves the other cores idle;
+        the blocks draw the same tokens as one program (`sample`'s `first_row`) and the
+        call returns once all are done. Sharded, traced or accelerator inputs always run
+        as one program.
 
     Returns: `SampleOutput` with leading axis `B·num_samples`.
     """
@@ -280,4 +350,17 @@ def generate(
     fn = _compiled(model, max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
                    top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), num_samples=int(num_samples),
                    max_len=max_len)
-    return fn(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng)
+    b = prompt_ids.shape[0]
+    blocks = cpu_row_blocks(b, params, prompt_ids, prompt_mask, rng, cpu_threads=cpu_threads)
+    if blocks == 1:
+        return fn(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng)
+    rows = b // blocks
+
+    def run_block(i):
+        block = slice(i * rows, (i + 1) * rows)
+        out = fn(params, jnp.asarray(prompt_ids[block]), jnp.asarray(prompt_mask[block]), rng,
+                 first_row=jnp.int32(i * rows * num_samples))
+        # Block here: JAX dispatch is asynchronous, and only waiting threads run concurrently.
+        return jax.block_until_ready(out)
+
+    return _concat_rows(list(_thread_pool(blocks).map(run_block, range(blocks))))

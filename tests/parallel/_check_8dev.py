@@ -28,7 +28,7 @@ from jaxrlhf import parallel  # noqa: E402
 from jaxrlhf.algorithms.common import TrainState  # noqa: E402
 from jaxrlhf.models import load_pretrained, random_init, save_pretrained  # noqa: E402
 from jaxrlhf.models.transformer import Transformer, init_cache, init_params  # noqa: E402
-from jaxrlhf.rollout.sampler import generate  # noqa: E402
+from jaxrlhf.rollout.sampler import cpu_row_blocks, generate  # noqa: E402
 
 MESHES = {"fsdp4_tensor2": "data=1,fsdp=4,tensor=2", "data2_fsdp4": "data=2,fsdp=4,tensor=1"}
 CHECKS = {}
@@ -270,6 +270,8 @@ def sampler_equals_unsharded():
         np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(ref.response_ids), err_msg=spec)
         close(out.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4, what=spec)
         assert out.response_ids.sharding.spec == parallel.batch_spec(2, mesh, rows=8)
+        # Sharded params run as one program: no host-thread row blocks.
+        assert cpu_row_blocks(8, jax.device_put(params, p_sh), ids, cpu_threads=4) == 1
         # Sampling too: each row's Gumbel noise does not depend on how the rows are split.
         hot = dict(kw, temperature=1.0)
         want = generate(model, params, ids, mask, jax.random.key(3), **hot)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxrlhf import ops
 from jaxrlhf.models import ModelConfig, Transformer, init_params
-from jaxrlhf.rollout import generate, sampler, truncate_logits
+from jaxrlhf.rollout import SampleOutput, generate, sampler, truncate_logits
 
 CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -155,15 +155,62 @@ def test_deterministic_for_a_given_key():
 
 
 def test_each_step_draws_what_jax_random_categorical_draws():
-    # Step t samples categorical(fold_in(key, t), logits/τ); the sampler's Gumbel noise is
-    # drawn for several steps at once, which must not change that.
+    # Row r at step t samples categorical(fold_in(fold_in(key, r), t), logits/τ); the
+    # sampler's Gumbel noise is drawn for several steps at once, which must not change that.
     ids, mask = _prompts(np.random.default_rng(12), 3, 5, min_len=5)
     key, tau = jax.random.key(4), 1.7
-    out = generate(MODEL, PARAMS, ids, mask, key, max_new_tokens=4, temperature=tau)
+    out = generate(MODEL, PARAMS, ids, mask, key, max_new_tokens=4, temperature=tau, cpu_threads=1)
     seq = np.asarray(out.sequences)
     logits = _full_logits(seq, np.ones_like(seq, bool))[:, ids.shape[1] - 1:-1]
-    want = [jax.random.categorical(jax.random.fold_in(key, t), logits[:, t] / tau) for t in range(4)]
-    np.testing.assert_array_equal(np.asarray(out.response_ids), np.stack(want, axis=1))
+    want = [[jax.random.categorical(jax.random.fold_in(jax.random.fold_in(key, r), t), logits[r, t] / tau)
+             for t in range(4)] for r in range(3)]
+    np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(want))
+
+
+def test_a_rows_sample_does_not_depend_on_the_other_rows():
+    ids, mask = _prompts(np.random.default_rng(14), 4, 5)
+    other_ids, other_mask = _prompts(np.random.default_rng(15), 4, 5)
+    ids2, mask2 = ids.copy(), mask.copy()
+    ids2[2:], mask2[2:] = other_ids[2:], other_mask[2:]
+    kw = dict(max_new_tokens=6, temperature=1.2, cpu_threads=1)
+    a = generate(MODEL, PARAMS, ids, mask, jax.random.key(8), **kw)
+    b = generate(MODEL, PARAMS, ids2, mask2, jax.random.key(8), **kw)
+    np.testing.assert_array_equal(np.asarray(a.response_ids[:2]), np.asarray(b.response_ids[:2]))
+    assert (np.asarray(a.response_ids[2:]) != np.asarray(b.response_ids[2:])).any()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0, num_samples=3),
+    dict(temperature=0.0),
+    dict(temperature=2.5, top_k=9, top_p=0.9, eos_id=4, num_samples=2),
+])
+def test_row_blocks_on_cpu_threads_sample_what_one_program_samples(kw):
+    ids, mask = _prompts(np.random.default_rng(16), 4, 6)
+    one = generate(MODEL, PARAMS, ids, mask, jax.random.key(6), max_new_tokens=9, cpu_threads=1, **kw)
+    assert sampler.cpu_row_blocks(4, PARAMS, ids, cpu_threads=4) == 4
+    for threads in (2, 4):
+        blocks = generate(MODEL, PARAMS, ids, mask, jax.random.key(6), max_new_tokens=9, cpu_threads=threads, **kw)
+        for name, x, y in zip(SampleOutput._fields, one, blocks):
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            if name == "logprobs":  # blocks of fewer rows may round the matmuls differently
+                np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+            else:
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
+    if "eos_id" in kw:
+        assert (np.asarray(one.lengths) < 9).any(), "no row hit EOS: the test does not exercise stopping"
+
+
+def test_cpu_row_blocks_divide_the_batch_and_stay_whole_when_traced():
+    ids = np.zeros((6, 3), np.int32)
+    assert sampler.cpu_row_blocks(6, PARAMS, ids, cpu_threads=4) == 3  # largest divisor <= 4
+    assert sampler.cpu_row_blocks(7, PARAMS, ids, cpu_threads=4) == 1
+    assert sampler.cpu_row_blocks(6, PARAMS, ids, cpu_threads=1) == 1
+    assert sampler.cpu_row_blocks(1, PARAMS, ids, cpu_threads=8) == 1
+    seen = []  # under a trace the blocks could not be waited for: one program
+    jax.jit(lambda p: seen.append(sampler.cpu_row_blocks(6, p, cpu_threads=4)) or 0)(PARAMS)
+    assert seen == [1]
+    with pytest.raises(ValueError, match="cpu_threads"):
+        sampler.cpu_row_blocks(6, PARAMS, cpu_threads=0)
 
 
 def test_noise_chunk_size_never_changes_a_sample(monkeypatch):
