@@ -16,8 +16,8 @@ since XLA:CPU runs one decode program on about one core. `jaxrlhf (one program)`
 With `--cpu-devices N` (N > 1), one more row: our sampler with the batch split over N
 XLA:CPU devices, one per core (`rollout_devices_worker.py`, its own process, since the
 device count is fixed when jax starts). Its greedy tokens and the sampled tokens of a fixed
-key must equal the one-device sampler's. The headline ratios stay those of the one-device
-row, the configuration the peers run in.
+key must equal the one-device sampler's. The headline ratios are the `jaxrlhf` row's: one
+device, one process, what `generate` does by default.
 
 16 prompts x 32 tokens -> exactly 64 new tokens, temperature 1, top-k/top-p off, KV cache on,
 tiny Llama in float32 on the CPU, torch with 2 threads. Both models get the same weights
