@@ -136,20 +136,26 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_BxLxS, kv: KVCache | None, cache_index):
+    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_BxLxS, kv: KVCache | None, cache_index,
+                 queries: int | None = None):
+        """`queries`: attend from the last `queries` positions only (keys and values still
+        cover all L); the output then has `queries` positions."""
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        b, l = x_BxLxD.shape[:2]
+        b = x_BxLxD.shape[0]
+        tail = slice(None) if queries is None else slice(-queries, None)
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
         proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out, name=name)
-        q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD)
+        q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD[:, tail])
         key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
             key = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(key)
-        q = _rotate(q, cos_BxLxH, sin_BxLxH).astype(dt)
+        l = q.shape[1]
+        mask_BxLxS = mask_BxLxS[:, tail]
+        q = _rotate(q, cos_BxLxH[:, tail], sin_BxLxH[:, tail]).astype(dt)
         # Keys/values are head-major (kv heads before positions) so that both attention
         # matmuls read the cache in place; a [B, S, K, H] cache costs a full transpose of it
         # per decode step.
@@ -200,11 +206,14 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, cos, sin, mask_BxLxS, kv, cache_index):
+    def __call__(self, x_BxLxD, cos, sin, mask_BxLxS, kv, cache_index, queries: int | None = None):
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         attn_out, kv = Attention(c, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dt, pdt, name="input_layernorm")(x_BxLxD), cos, sin, mask_BxLxS, kv, cache_index)
+            RMSNorm(c.rms_norm_eps, dt, pdt, name="input_layernorm")(x_BxLxD), cos, sin, mask_BxLxS, kv, cache_index,
+            queries)
+        if queries is not None:
+            x_BxLxD = x_BxLxD[:, -queries:]
         x_BxLxD = x_BxLxD + attn_out
         x_BxLxD = x_BxLxD + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x_BxLxD))
         return x_BxLxD, kv
@@ -231,6 +240,7 @@ class Transformer(nn.Module):
         cache: Sequence[KVCache] | None = None,
         cache_index: jax.Array | int | None = None,
         compute_logits: bool = True,
+        last_position_only: bool = False,
     ) -> ModelOutput:
         """Forward pass.
 
@@ -244,6 +254,10 @@ class Transformer(nn.Module):
             written at slots `cache_index .. cache_index + L - 1`.
           compute_logits: False skips the `[B, L, V]` LM head (the caller may project
             `hidden` itself in chunks).
+          last_position_only: the last layer attends and runs its MLP from the last
+            position only, and `hidden` / `logits` / `values` cover that position (`L = 1`);
+            every layer still writes all L keys and values into the cache. A prefill that
+            needs only the next token's logits skips ~1/num_layers of its matmuls.
         """
         c = self.config
         if self.head not in HEADS:
@@ -289,11 +303,13 @@ class Transformer(nn.Module):
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")),
                          name="embed_tokens")
         x = embed(input_ids_BxL)
-        layer_cls = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+        # `queries` (argument 7, counting self) is a Python int or None that shapes the layer.
+        layer_cls = nn.remat(DecoderLayer, static_argnums=(7,)) if c.remat else DecoderLayer
         new_cache = []
         for i in range(c.num_layers):
+            queries = 1 if last_position_only and i == c.num_layers - 1 else None
             x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, mask_BxLxS,
-                                                      None if cache is None else cache[i], cache_index)
+                                                      None if cache is None else cache[i], cache_index, queries)
             new_cache.append(kv)
         hidden = RMSNorm(c.rms_norm_eps, dt, pdt, name="norm")(x)
 

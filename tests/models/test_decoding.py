@@ -51,3 +51,27 @@ def test_cached_decoding_matches_full_forward(hf_store, family):
     # A left-padded row's first real token sits at position 0, like an unpadded prompt.
     short = model.apply({"params": params}, ids[2:, p - 1:], None).logits
     np.testing.assert_allclose(np.asarray(short)[0], full[2, p - 1:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_last_position_only_fills_the_same_cache_and_last_position(hf_store, remat):
+    import dataclasses
+
+    from jaxrlhf.models import Transformer
+
+    model, params = load_pretrained(hf_store.get("llama3")[0])
+    model = Transformer(dataclasses.replace(model.config, remat=remat), head=model.head)
+    ids, mask, p = _left_padded()
+    b, s = ids.shape
+    ids, mask = jnp.asarray(ids[:, :p]), jnp.asarray(mask)
+    apply = jax.jit(functools.partial(model.apply, {"params": params}), static_argnames="last_position_only")
+    cache = init_cache(model.config, b, s)
+    whole = apply(ids, mask, cache=cache, cache_index=0)
+    last = apply(ids, mask, cache=cache, cache_index=0, last_position_only=True)
+    assert last.logits.shape == (b, 1, whole.logits.shape[-1]) and last.hidden.shape[1] == 1
+    np.testing.assert_allclose(np.asarray(last.logits[:, 0]), np.asarray(whole.logits[:, -1]), atol=1e-5, rtol=0)
+    for got, want in zip(jax.tree.leaves(last.cache), jax.tree.leaves(whole.cache)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Without a cache too (a scoring pass that needs only the next token's logits).
+    full, tail = apply(ids, mask[:, :p]), apply(ids, mask[:, :p], last_position_only=True)
+    np.testing.assert_allclose(np.asarray(tail.logits[:, 0]), np.asarray(full.logits[:, -1]), atol=1e-5, rtol=0)
