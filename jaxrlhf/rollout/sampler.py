@@ -151,36 +151,47 @@ def _gumbel_steps(keys_N, first_step, steps: int, v: int) -> jax.Array:
     return jax.vmap(per_step)(first_step + jnp.arange(steps))
 
 
-class _Prefill(NamedTuple):
-    """The prompts run into a cache of `P + T` slots, repeated per sample (leading axis N)."""
+def sample(
+    model: Transformer,
+    params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    num_samples: int = 1,
+    max_len: int | None = None,
+    first_row: int | jax.Array = 0,
+) -> SampleOutput:
+    """Sample responses; traceable (call it inside your own jit) — see `generate`.
 
-    cache: tuple
-    last_logits: jax.Array  # [N, V] the logits that predict each row's first response token
-    prompt_ids: jax.Array  # [N, P]
-    prompt_mask: jax.Array  # [N, P] bool
-
-
-def _prefill(model, params, prompt_ids, prompt_mask, *, max_new_tokens: int, num_samples: int) -> _Prefill:
+    `first_row`: the index of this batch's first output row in a larger batch that was
+    split by rows (may be traced). Row r draws its noise from `fold_in(rng, r)`, so blocks
+    given their offsets sample exactly what the whole batch samples.
+    """
+    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
     b, p = prompt_ids.shape
     t_max = int(max_new_tokens)
+    n = b * num_samples
+    s = p + t_max
     prompt_mask = prompt_mask.astype(bool)
+    apply = functools.partial(model.apply, {"params": params})
+
+    cache = init_cache(model.config, b, s)
     slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, t_max), bool)], axis=1)
     # Left padding puts every prompt's last token in slot P-1: only it needs logits, and only
     # it needs the last layer's attention and MLP.
-    out = model.apply({"params": params}, prompt_ids, slot_mask, cache=init_cache(model.config, b, p + t_max),
-                      cache_index=0, compute_logits=False, last_position_only=True)
-    last_logits = project_logits(model.config, params, out.hidden[:, -1])
+    prefill = apply(prompt_ids, slot_mask, cache=cache, cache_index=0, compute_logits=False,
+                    last_position_only=True)
+    last_logits = project_logits(model.config, params, prefill.hidden[:, -1])
     repeat = lambda x: jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
-    return _Prefill(jax.tree.map(repeat, out.cache), repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask))
-
-
-def _decode(model, params, pre: _Prefill, rng, first_row, *, max_new_tokens: int, temperature: float,
-            top_k: int, top_p: float, eos_id: int | None, pad_id: int) -> SampleOutput:
-    n, p = pre.prompt_ids.shape
-    t_max = int(max_new_tokens)
-    s = p + t_max
-    apply = functools.partial(model.apply, {"params": params})
-    prompt_ids, prompt_mask = pre.prompt_ids, pre.prompt_mask
+    cache = jax.tree.map(repeat, prefill.cache)
+    last_logits, prompt_ids, prompt_mask = repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask)
     prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)
 
     v = model.config.vocab_size
@@ -216,10 +227,10 @@ def _decode(model, params, pre: _Prefill, rng, first_row, *, max_new_tokens: int
         logps=jnp.zeros((n, t_max), jnp.float32),
         valid=jnp.zeros((n, t_max), bool),
         done=jnp.zeros((n,), bool),
-        cache=pre.cache,
+        cache=cache,
         t=jnp.int32(0),
     )
-    state = emit(state, pre.last_logits, 0)
+    state = emit(state, last_logits, 0)
     prompt_slots = jnp.concatenate([prompt_mask, jnp.zeros((n, t_max), bool)], axis=1)
     response_slots = jnp.arange(s)[None, :] >= p
 
@@ -247,35 +258,6 @@ def _decode(model, params, pre: _Prefill, rng, first_row, *, max_new_tokens: int
         attention_mask=jnp.concatenate([prompt_mask, response_mask], axis=1),
         lengths=response_mask.sum(axis=1).astype(jnp.int32),
     )
-
-
-def sample(
-    model: Transformer,
-    params,
-    prompt_ids: jax.Array,
-    prompt_mask: jax.Array,
-    rng: jax.Array,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_id: int | None = None,
-    pad_id: int = 0,
-    num_samples: int = 1,
-    max_len: int | None = None,
-    first_row: int | jax.Array = 0,
-) -> SampleOutput:
-    """Sample responses; traceable (call it inside your own jit) — see `generate`.
-
-    `first_row`: the index of this batch's first output row in a larger batch that was
-    split by rows (may be traced). Row r draws its noise from `fold_in(rng, r)`, so blocks
-    given their offsets sample exactly what the whole batch samples.
-    """
-    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
-    pre = _prefill(model, params, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, num_samples=num_samples)
-    return _decode(model, params, pre, rng, first_row, max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
 
 
 @functools.lru_cache(maxsize=64)
