@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.models.config import ModelConfig, UnsupportedConfigError, from_hf_config, to_hf_dict
+from jaxrlhf.models.config import RUNTIME_FIELDS, ModelConfig, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.transformer import HEADS, Transformer
 
 logger = logging.getLogger(__name__)
@@ -249,9 +249,9 @@ def load_pretrained(
     dtype: str | None = None,
     param_dtype: str | None = None,
     head: str | None = None,
-    remat: bool = False,
     seed: int = 0,
     shardings: Any = None,
+    **options,
 ) -> tuple[Transformer, dict]:
     """Load a local Hugging Face checkpoint folder into `(Transformer, params)`.
 
@@ -265,7 +265,8 @@ def load_pretrained(
         checkpoint lacks (e.g. "score" or "lm_value" on a causal LM) is initialised from
         N(0, 0.02) with `seed`, and a checkpoint head the model does not use is dropped;
         both are logged as warnings.
-      remat: rematerialise each decoder layer in the backward pass.
+      options: the `ModelConfig` fields a checkpoint does not store (`RUNTIME_FIELDS`:
+        `remat`, `attention`, `cache_dtype`, ...); anything else is refused.
       seed: seeds the freshly initialised head parameters, if any.
       shardings: optional pytree like the params of `jax.sharding.Sharding`s, or a function
         `Transformer -> pytree` (e.g. `lambda m: parallel.param_shardings(m, mesh, rules)`).
@@ -292,8 +293,11 @@ def load_pretrained(
 
     hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     param_dtype = param_dtype or "float32"
+    unknown = sorted(set(options) - set(RUNTIME_FIELDS))
+    if unknown:
+        raise TypeError(f"load_pretrained: unknown options {unknown}; the model options are {list(RUNTIME_FIELDS)}")
     try:
-        config = from_hf_config(hf_config, dtype=dtype or param_dtype, param_dtype=param_dtype, remat=remat)
+        config = from_hf_config(hf_config, dtype=dtype or param_dtype, param_dtype=param_dtype, **options)
     except UnsupportedConfigError as e:
         msg = str(e)
         raise UnsupportedConfigError(msg.replace("config.json", cfg_file, 1) if "config.json" in msg

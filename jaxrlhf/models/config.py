@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxrlhf.models.attention import IMPLEMENTATIONS
+
 # model_type -> the switches that distinguish the family.
 _FAMILIES = {
     "llama": dict(qkv_bias=None, qk_norm=False),  # qkv_bias from `attention_bias`
@@ -22,6 +24,9 @@ _FAMILIES = {
 }
 _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
+# How the model runs, not what it is: set by the user, never read from or written to a
+# checkpoint's config.json (`load_pretrained(path, **options)`, `config.model.<field>`).
+RUNTIME_FIELDS = ("remat", "attention", "cache_dtype")
 
 
 class UnsupportedConfigError(ValueError):
@@ -43,8 +48,10 @@ class RopeScaling:
 class ModelConfig:
     """Hyperparameters of a decoder-only transformer (pre-norm, RoPE, GQA, SwiGLU).
 
-    `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters; RMSNorm,
-    softmax and rotary angles are always computed in float32.
+    `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters,
+    `cache_dtype` the sampler's KV cache dtype (default: `dtype`; bf16 with float32 params
+    halves the cache); RMSNorm, softmax and rotary angles are always computed in float32.
+    `attention` picks the attention implementation (`jaxrlhf.models.attention`).
     """
 
     vocab_size: int
@@ -70,6 +77,8 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    attention: str = "auto"  # a name in `jaxrlhf.models.attention.IMPLEMENTATIONS`
+    cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
 
     def __post_init__(self):
         if self.model_type not in _FAMILIES:
@@ -88,7 +97,9 @@ class ModelConfig:
                 f"rope_type={self.rope_scaling.rope_type!r} is not implemented; supported: "
                 f"{list(_ROPE_TYPES)}"
             )
-        for name in ("dtype", "param_dtype"):
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {list(IMPLEMENTATIONS)}")
+        for name in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
 

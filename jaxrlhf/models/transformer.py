@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import attention
+from jaxrlhf.models.attention import AttentionMask
 from jaxrlhf.models.config import ModelConfig
 
 HEADS = ("lm", "score", "lm_value")
@@ -51,8 +53,9 @@ class ModelOutput(NamedTuple):
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
-    """An empty cache of `max_len` slots for each layer."""
-    dtype = jnp.dtype(dtype or config.dtype)
+    """An empty cache of `max_len` slots for each layer, in `dtype` (default: the config's
+    `cache_dtype`, else its compute dtype)."""
+    dtype = jnp.dtype(dtype or config.cache_dtype or config.dtype)
     b, k, s, h = batch_size, config.num_kv_heads, max_len, config.head_dim
     return tuple(KVCache(jnp.zeros((b, k, h, s), dtype), jnp.zeros((b, k, s, h), dtype))
                  for _ in range(config.num_layers))
@@ -136,7 +139,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_BxLxS, kv: KVCache | None, cache_index,
+    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask: AttentionMask, kv: KVCache | None, cache_index,
                  queries: int | None = None):
         """`queries`: attend from the last `queries` positions only (keys and values still
         cover all L); the output then has `queries` positions."""
@@ -153,8 +156,6 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
             key = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(key)
-        l = q.shape[1]
-        mask_BxLxS = mask_BxLxS[:, tail]
         q = _rotate(q, cos_BxLxH[:, tail], sin_BxLxH[:, tail]).astype(dt)
         # Keys/values are head-major (kv heads before positions) so that both attention
         # matmuls read the cache in place; a [B, S, K, H] cache costs a full transpose of it
@@ -162,27 +163,18 @@ class Attention(nn.Module):
         key_BxKxLxH = _rotate(key, cos_BxLxH, sin_BxLxH).astype(dt).transpose(0, 2, 1, 3)
         val_BxKxLxH = val.transpose(0, 2, 1, 3)
 
-        g = n // k
-        # Query heads of one kv group are folded into the row axis: one batched matmul per
-        # (batch, kv head), no repeated keys.
-        q_BxKxQxH = q.reshape(b, l, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * l, h)
         if kv is None:
-            scores = jnp.einsum("BKQH,BKSH->BKQS", q_BxKxQxH, key_BxKxLxH)
+            keys, values, keys_transposed = key_BxKxLxH, val_BxKxLxH, False
         else:
             key_BxKxHxL = key_BxKxLxH.transpose(0, 1, 3, 2)
             kv = KVCache(
                 jax.lax.dynamic_update_slice(kv.k, key_BxKxHxL.astype(kv.k.dtype), (0, 0, 0, cache_index)),
                 jax.lax.dynamic_update_slice(kv.v, val_BxKxLxH.astype(kv.v.dtype), (0, 0, cache_index, 0)))
-            scores = jnp.einsum("BKQH,BKHS->BKQS", q_BxKxQxH, kv.k.astype(dt))
-            val_BxKxLxH = kv.v.astype(dt)
-        s = val_BxKxLxH.shape[2]
-        scores = scores.astype(jnp.float32) * (h ** -0.5)
-        mask_BxQxS = jnp.broadcast_to(mask_BxLxS[:, None], (b, g, l, s)).reshape(b, 1, g * l, s)
-        # finfo.min rather than -inf: a fully masked row (a padding query) stays finite.
-        scores = jnp.where(mask_BxQxS, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("BKQS,BKSH->BKQH", probs, val_BxKxLxH)
-        out_BxLxNxH = out.reshape(b, k, g, l, h).transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
+            keys, values, keys_transposed = kv.k, kv.v, True
+        if queries is not None:
+            mask = AttentionMask(mask.key_valid, mask.query_slot[-queries:])
+        out_BxLxNxH = attention.attend(q, keys, values, mask, implementation=c.attention, scale=h ** -0.5,
+                                       keys_transposed=keys_transposed)
         out = proj("o_proj", (n, h, d), ("q_heads", "head_dim", "embed"), ("embed",) if c.o_bias else None,
                    n_out=1)(out_BxLxNxH)
         return out, kv
@@ -206,11 +198,11 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD, cos, sin, mask_BxLxS, kv, cache_index, queries: int | None = None):
+    def __call__(self, x_BxLxD, cos, sin, mask: AttentionMask, kv, cache_index, queries: int | None = None):
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         attn_out, kv = Attention(c, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dt, pdt, name="input_layernorm")(x_BxLxD), cos, sin, mask_BxLxS, kv, cache_index,
+            RMSNorm(c.rms_norm_eps, dt, pdt, name="input_layernorm")(x_BxLxD), cos, sin, mask, kv, cache_index,
             queries)
         if queries is not None:
             x_BxLxD = x_BxLxD[:, -queries:]
@@ -273,8 +265,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"attention_mask must have shape [B, L] = {(b, l)}, got {mask.shape}")
             if position_ids is None:
                 position_ids = positions_from_mask(mask)
-            causal = jnp.tril(jnp.ones((l, l), bool))
-            mask_BxLxS = mask[:, None, :] & causal[None]
+            attn_mask = AttentionMask(mask, jnp.arange(l, dtype=jnp.int32))
             cache_index = 0
         else:
             if cache_index is None:
@@ -288,8 +279,7 @@ class Transformer(nn.Module):
                                  f"expected [B, S] = {(b, s)}, got {mask.shape}")
             if position_ids is None:
                 position_ids = jax.lax.dynamic_slice_in_dim(positions_from_mask(mask), cache_index, l, axis=1)
-            query_slot = cache_index + jnp.arange(l)
-            mask_BxLxS = mask[:, None, :] & (jnp.arange(s)[None, :] <= query_slot[:, None])[None]
+            attn_mask = AttentionMask(mask, cache_index + jnp.arange(l, dtype=jnp.int32))
 
         inv_freq = jnp.asarray(c.inv_freq(), jnp.float32)
         angles = position_ids.astype(jnp.float32)[..., None] * inv_freq
@@ -308,7 +298,7 @@ class Transformer(nn.Module):
         new_cache = []
         for i in range(c.num_layers):
             queries = 1 if last_position_only and i == c.num_layers - 1 else None
-            x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, mask_BxLxS,
+            x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, attn_mask,
                                                       None if cache is None else cache[i], cache_index, queries)
             new_cache.append(kv)
         hidden = RMSNorm(c.rms_norm_eps, dt, pdt, name="norm")(x)

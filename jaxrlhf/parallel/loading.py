@@ -27,7 +27,7 @@ def load_pretrained_sharded(
     layout mapped to our `[in..., out...]` kernels), so no host ever holds the whole model;
     with several processes each reads only the shards of its own devices.
 
-    kwargs: `dtype`, `param_dtype`, `head`, `remat`, `seed` as in `load_pretrained`.
+    kwargs: `dtype`, `param_dtype`, `head`, `seed` and the model options as in `load_pretrained`.
     """
     rules = get_rules(rules)
     return load_pretrained(path, shardings=lambda model: param_shardings(model, mesh, rules,

@@ -9,6 +9,7 @@ import jax
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, load_pretrained, random_init
+from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.parallel.loading import load_pretrained_sharded
 
 log = logging.getLogger("jaxrlhf")
@@ -27,7 +28,7 @@ def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: i
     """
     if cfg.path:
         kwargs = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, head=None if head == "lm" else head,
-                      remat=cfg.remat, seed=seed)
+                      seed=seed, **_options(cfg))
         if placement is not None:
             model, params = load_pretrained_sharded(cfg.path, placement.mesh, placement.rules,
                                                     on_indivisible="replicate", **kwargs)
@@ -43,12 +44,17 @@ def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: i
                      num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                      tie_word_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                     remat=cfg.remat, pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
+                     pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id, **_options(cfg))
     model, params = random_init(mc, head=head, seed=seed)
     log.info("fresh %s model with %.2fM parameters", head, sum(x.size for x in jax.tree.leaves(params)) / 1e6)
     if placement is not None:
         params = placement.place_params(model, params)
     return model, params
+
+
+def _options(cfg) -> dict:
+    """The section's model options (`RUNTIME_FIELDS`: remat, attention, ...) it sets."""
+    return {f: cfg[f] for f in RUNTIME_FIELDS if f in cfg}
 
 
 def build_optimizer(cfg, *, total_steps: int):
