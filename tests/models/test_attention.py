@@ -1,0 +1,189 @@
+"""Every attention implementation available here equals the dense reference, and the dense
+reference equals a float64 loop over the formula in `jaxrlhf.models.attention`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.models import attention
+from jaxrlhf.models.attention import AttentionMask
+
+from jaxrlhf.algorithms import common
+from jaxrlhf.models import Transformer, load_pretrained
+from jaxrlhf.rollout import generate
+
+from .conftest import PAD, VOCAB
+
+def _reference(q, k, v, key_valid, query_slot, scale, window):
+    """float64 loops: o[b, l, n] = Σ_s softmax(scale·q·k over allowed s) v; 0 with no allowed s."""
+    b, l, n, h = q.shape
+    kh = k.shape[1]
+    g = n // kh
+    out = np.zeros((b, l, n, h))
+    for bi in range(b):
+        for li in range(l):
+            slot = query_slot[li]
+            allowed = [s for s in range(k.shape[2]) if key_valid[bi, s] and s <= slot
+                       and (window is None or s > slot - window)]
+            for ni in range(n):
+                if not allowed:
+                    continue
+                ki = ni // g
+                sc = np.array([scale * q[bi, li, ni] @ k[bi, ki, s] for s in allowed])
+                p = np.exp(sc - sc.max())
+                p /= p.sum()
+                out[bi, li, ni] = sum(pi * v[bi, ki, s] for pi, s in zip(p, allowed))
+    return out
+
+
+def _case(seed, *, b=3, l=20, s=None, n=6, kh=2, h=8, offset=0, fully_masked_row=True):
+    """Random q/k/v and a mask with left padding, right padding and (optionally) a row
+    with no valid key at all."""
+    rng = np.random.default_rng(seed)
+    s = l + offset if s is None else s
+    q = rng.normal(size=(b, l, n, h)).astype(np.float32)
+    k = rng.normal(size=(b, kh, s, h)).astype(np.float32)
+    v = rng.normal(size=(b, kh, s, h)).astype(np.float32)
+    key_valid = np.ones((b, s), bool)
+    key_valid[0, :3] = False          # left padding
+    key_valid[1, s - 5:] = False      # right padding
+    key_valid[-1] = rng.random(s) < 0.6  # holes anywhere
+    if fully_masked_row and b > 3:
+        key_valid[2] = False
+    query_slot = (offset + np.arange(l)).astype(np.int32)
+    return q, k, v, key_valid, query_slot
+
+
+def _run(impl, q, k, v, key_valid, query_slot, window, **kw):
+    mask = AttentionMask(jnp.asarray(key_valid), jnp.asarray(query_slot))
+    fn = attention.dense if impl == "dense" else functools.partial(attention.chunked, **kw)
+    return fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, scale=0.3, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_dense_equals_float64_reference(window):
+    q, k, v, key_valid, query_slot = _case(0, b=4, l=9, n=6, kh=2)
+    want = _reference(q.astype(np.float64), k, v, key_valid, query_slot, 0.3, window)
+    got = _run("dense", q, k, v, key_valid, query_slot, window)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
+# (GQA group size, query/key blocks, window, offset of the queries into the keys)
+CASES = [
+    (1, 8, 8, None, 0),
+    (3, 8, 4, None, 0),
+    (8, 7, 5, None, 0),        # blocks that divide neither L nor S
+    (3, 4, 8, 6, 0),            # a local window: blocks outside it are skipped
+    (2, 4, 4, None, 11),        # queries at slots 11.. of 31 keys (a cache / shared prompt)
+    (2, 1, 4, 3, 30),           # one query, as a decode step, with a window
+]
+
+
+@pytest.mark.parametrize("g, q_block, k_block, window, offset", CASES)
+def test_chunked_equals_dense_values_and_gradients(g, q_block, k_block, window, offset):
+    l = 1 if offset == 30 else 20
+    q, k, v, key_valid, query_slot = _case(g, b=4, l=l, n=2 * g, kh=2, offset=offset)
+    cot = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
+    mask = AttentionMask(jnp.asarray(key_valid), jnp.asarray(query_slot))
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v, mask, scale=0.3, window=window) * cot)
+
+    dense = jax.jit(attention.dense, static_argnames=("scale", "window"))
+    chunk = jax.jit(functools.partial(attention.chunked, q_block=q_block, k_block=k_block),
+                    static_argnames=("scale", "window"))
+    args = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    want = dense(*args, mask, scale=0.3, window=window)
+    got = chunk(*args, mask, scale=0.3, window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    g_want = jax.jit(jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2)))(*args)
+    g_got = jax.jit(jax.grad(functools.partial(loss, chunk), argnums=(0, 1, 2)))(*args)
+    for a, b_ in zip(g_got, g_want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-5)
+
+
+def test_keys_in_cache_layout_and_fully_masked_rows():
+    """Keys given as `[B, K, H, S]` (the KV cache) read the same; a row with no valid key
+    is zero in both implementations, with zero gradient."""
+    q, k, v, key_valid, query_slot = _case(5, b=4, l=12, n=4, kh=2)
+    assert not key_valid[2].any()
+    mask = AttentionMask(jnp.asarray(key_valid), jnp.asarray(query_slot))
+    kt = jnp.asarray(k).transpose(0, 1, 3, 2)
+    for fn in (attention.dense, functools.partial(attention.chunked, q_block=4, k_block=4)):
+        fn = jax.jit(fn, static_argnames=("scale", "keys_transposed"))
+        plain = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, scale=0.3)
+        cached = fn(jnp.asarray(q), kt, jnp.asarray(v), mask, scale=0.3, keys_transposed=True)
+        np.testing.assert_allclose(np.asarray(cached), np.asarray(plain), atol=1e-6)
+        assert np.all(np.asarray(plain)[2] == 0)
+        dq = jax.jit(jax.grad(lambda q: jnp.sum(fn(q, jnp.asarray(k), jnp.asarray(v), mask, scale=0.3))))(
+            jnp.asarray(q))
+        assert np.all(np.isfinite(np.asarray(dq))) and np.all(np.asarray(dq)[2] == 0)
+
+
+def test_choose_auto_and_unknown_names():
+    assert attention.choose("auto", num_queries=64, num_keys=64, num_groups=2) == "dense"
+    assert attention.choose("auto", num_queries=1, num_keys=4096, num_groups=8) == "dense"  # a decode step
+    assert attention.choose("auto", num_queries=4096, num_keys=4096, num_groups=1) == "chunked"
+    assert attention.choose("chunked", num_queries=4, num_keys=4, num_groups=1) == "chunked"
+    with pytest.raises(ValueError, match="attention='flash'"):
+        attention.choose("flash", num_queries=4, num_keys=4, num_groups=1)
+
+
+def test_chunked_memory_is_linear_in_length():
+    """The compiled gradient's temporaries grow ~linearly with L for chunked attention and
+    quadratically for the dense form (XLA's own memory plan, no weights needed)."""
+    def temp(fn, l):
+        shape = [jax.ShapeDtypeStruct((1, l, 4, 32), jnp.float32), jax.ShapeDtypeStruct((1, 2, l, 32), jnp.float32),
+                 jax.ShapeDtypeStruct((1, 2, l, 32), jnp.float32)]
+        mask = AttentionMask(jax.ShapeDtypeStruct((1, l), bool), jax.ShapeDtypeStruct((l,), jnp.int32))
+        loss = lambda q, k, v, m: jnp.sum(fn(q, k, v, m, scale=0.1))
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*shape, mask).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    chunk = functools.partial(attention.chunked, q_block=256, k_block=256)
+    c1, c2 = temp(chunk, 2048), temp(chunk, 4096)
+    d1, d2 = temp(attention.dense, 2048), temp(attention.dense, 4096)
+    assert c2 / c1 < 2.3, (c1, c2)
+    assert d2 / d1 > 3.5, (d1, d2)
+    assert d2 > 8 * c2, (d2, c2)
+
+
+def _model_batch(seed=0, prompt_lengths=(7, 4, 1), response_lengths=(5, 2, 5), p=7, t=5):
+    """Left-padded prompts followed by right-padded responses."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, VOCAB, (len(prompt_lengths), p + t))
+    mask = np.zeros_like(ids)
+    for row, (n, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        mask[row, p - n:p + r] = 1
+    return jnp.asarray(np.where(mask, ids, PAD)), jnp.asarray(mask), p
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_model_with_chunked_attention_equals_dense(hf_store, group_size):
+    """The decoder with `attention="chunked"` gives the dense decoder's log-probs and
+    gradients, on the plain path and the shared-prompt path, and samples the same tokens."""
+    path = hf_store.get("qwen3")[0]
+    dense_model, params = load_pretrained(path, attention="dense")
+    chunk_model, _ = load_pretrained(path, attention="chunked")
+    ids, mask, p = _model_batch()
+    if group_size > 1:  # rows of one group share their prompt
+        ids, mask = (jnp.concatenate([jnp.repeat(x[:1, :p], 3, 0), x[:, p:]], 1) for x in (ids, mask))
+
+    def loss(model, params):
+        logp, _, _ = common.response_logprobs(model, params, ids, mask, p, group_size=group_size)
+        return jnp.sum(jnp.where(mask[:, p:], logp, 0.0)), logp
+
+    (_, want), g_want = jax.jit(jax.value_and_grad(functools.partial(loss, dense_model), has_aux=True))(params)
+    (_, got), g_got = jax.jit(jax.value_and_grad(functools.partial(loss, chunk_model), has_aux=True))(params)
+    valid = np.asarray(mask[:, p:], bool)
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g_got, g_want)
+    if group_size == 1:
+        tokens = [generate(m, params, ids[:, :p], mask[:, :p], jax.random.key(0), max_new_tokens=4,
+                           temperature=0.0).response_ids for m in (dense_model, chunk_model)]
+        np.testing.assert_array_equal(np.asarray(tokens[0]), np.asarray(tokens[1]))
