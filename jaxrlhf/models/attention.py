@@ -6,14 +6,16 @@ Every implementation computes, for query `l` of row `b` and head `n` (kv head `k
 
     o[b, l, n] = Σ_s softmax_s( scale · q[b, l, n] · k[b, s, k]  where allowed(b, l, s) ) v[b, s, k]
 
-    allowed(b, l, s) = key_valid[b, s]  ∧  s ≤ query_slot[l]  ∧  s > query_slot[l] − window
+    allowed(b, l, s) = key_valid[b, s] ∧ key_valid[b, query_slot[l]] ∧ s ≤ query_slot[l] ∧ s > query_slot[l] − window
 
 `key_valid` `[B, S]` marks real tokens (left-padded prompts, right-padded responses, cache
 slots not written yet are all False); `query_slot` `[L]` is each query's slot in the `S`
 keys (`arange(L)` for a full forward, `cache_index + arange(L)` with a KV cache), so the
 causal and local-window rules are on slot indices, as transformers applies them. A query
-with no allowed key (a padding row) gets a zero output in every implementation; no padding
-row ever reaches a real token's output, since a padding slot is never a valid key.
+with no allowed key — a padding query, whose own slot is not a real token, or a real one
+with nothing real before it — gets a zero output in every implementation, with zero
+gradient. No padding position ever reaches a real token's output (a padding slot is never
+a valid key), so this only makes the implementations agree everywhere.
 
 The mask is two linear-size arrays (`AttentionMask`), never `[B, L, S]`: at L = 16k one
 boolean `[L, S]` mask alone is 256 MiB per row.
@@ -24,10 +26,17 @@ Implementations (`ModelConfig.attention`, names in `IMPLEMENTATIONS`):
   backward pass (`custom_vjp`) that recomputes each block's probabilities: O(L·block)
   memory in the forward and the backward pass, any backend. Key blocks wholly outside the
   causal/window band of a query block are skipped.
-- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs (flash
-  attention in cuDNN).
-- "auto" (default): dense where its score array is small (short sequences, decode steps),
-  cuDNN on a GPU where it applies, chunked otherwise.
+- "cudnn": cuDNN flash attention through `jax.nn.dot_product_attention` (NVIDIA GPUs,
+  bf16/fp16), and "splash": the Pallas TPU splash attention that ships with JAX; both for
+  self-attention passes (training, scoring), adapted in `_kernels`. Elsewhere (a decode
+  step, queries against a cache) they resolve to "chunked".
+- "auto" (default): dense where its score array is small (short sequences, decode steps);
+  for longer self-attention splash on a TPU, cuDNN on a GPU with bf16/fp16 compute;
+  chunked otherwise.
+
+`tokamax.dot_product_attention` was measured as the alternative for the chunked form: its
+"xla_chunked" gradient took 230 MiB at L = 4,096 (9/3 heads) against 58 MiB here, and it
+takes padding only as per-row lengths or a dense `[B, N, L, S]` mask.
 """
 
 from __future__ import annotations
@@ -39,7 +48,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLEMENTATIONS = ("auto", "dense", "chunked", "cudnn")
+from jaxrlhf.models import _kernels
+
+IMPLEMENTATIONS = ("auto", "dense", "chunked", "cudnn", "splash")
+_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
+# Tests set this to run the splash kernel in Pallas interpret mode off TPU.
+_ALLOW_INTERPRET = False
 
 # "auto" keeps the dense form while its float32 score array [B, K, G·L, S] has at most this
 # many elements per (batch row, kv head): 2**18, e.g. L = S = 512 with no GQA (1 MiB). The chunked
@@ -66,7 +80,12 @@ def allowed_BxLxS(mask: AttentionMask, window: int | None) -> jax.Array:
     ok_LxS = key_slot <= q_slot
     if window is not None:
         ok_LxS &= key_slot > q_slot - window
-    return mask.key_valid[:, None, :] & ok_LxS[None]
+    return mask.key_valid[:, None, :] & ok_LxS[None] & _query_valid_BxL(mask)[:, :, None]
+
+
+def _query_valid_BxL(mask: AttentionMask) -> jax.Array:
+    """Whether each query's own slot holds a real token."""
+    return jnp.take(mask.key_valid.astype(bool), mask.query_slot, axis=1)
 
 
 def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float, window: int | None = None,
@@ -100,19 +119,34 @@ def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float,
     return out.reshape(b, kh, g, l, h).transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
 
 
-def choose(implementation: str, *, num_queries: int, num_keys: int, num_groups: int) -> str:
-    """The implementation "auto" resolves to (any other name is returned as it is)."""
+def choose(implementation: str, *, num_queries: int, num_keys: int, num_groups: int,
+           queries_are_keys: bool = False, dtype=jnp.float32, platform: str | None = None) -> str:
+    """The implementation `attend` runs for `implementation` ("auto" resolved; a kernel
+    that does not apply to these queries resolves to "chunked")."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention={implementation!r}; expected one of {list(IMPLEMENTATIONS)}")
+    platform = platform or jax.default_backend()
+    if implementation in _PLATFORM:
+        if platform != _PLATFORM[implementation] and not (implementation == "splash" and _ALLOW_INTERPRET):
+            raise ValueError(f"attention={implementation!r} needs a {_PLATFORM[implementation].upper()} backend; "
+                             f"this one is {platform!r} (use 'auto', 'chunked' or 'dense')")
+        if implementation == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"attention='cudnn' needs bfloat16 or float16 compute (model dtype), not {jnp.dtype(dtype)}")
+        return implementation if queries_are_keys else "chunked"
     if implementation != "auto":
         return implementation
     if num_groups * num_queries * num_keys <= _DENSE_MAX_SCORES:
         return "dense"
+    if queries_are_keys and platform == "tpu":
+        return "splash"
+    if queries_are_keys and platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
     return "chunked"
 
 
 def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementation: str = "auto",
-           scale: float, window: int | None = None, keys_transposed: bool = False):
+           scale: float, window: int | None = None, keys_transposed: bool = False,
+           queries_are_keys: bool = False):
     """Attention of `q` over `S` keys under `mask` (see the module docstring for the formula).
 
     Args:
@@ -123,12 +157,23 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementati
       implementation: a name in `IMPLEMENTATIONS`.
       scale: the score scale (`head_dim ** -0.5`).
       window: a local window (keys within the last `window` slots of the query's), or None.
+      queries_are_keys: the queries are the keys' own slots (`S = L`, `query_slot =
+        arange(L)`: a self-attention pass without a cache), where the kernels apply.
 
     Returns: `[B, L, N, H]` in the dtype of `q`.
     """
     _, l, n, _ = q_BxLxNxH.shape
     kh, s = v_BxKxSxH.shape[1], v_BxKxSxH.shape[2]
-    impl = choose(implementation, num_queries=l, num_keys=s, num_groups=n // kh)
+    queries_are_keys = queries_are_keys and not keys_transposed and s == l
+    impl = choose(implementation, num_queries=l, num_keys=s, num_groups=n // kh, queries_are_keys=queries_are_keys,
+                  dtype=q_BxLxNxH.dtype)
+    if impl == "splash":
+        return _kernels.splash(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,
+                               interpret=jax.default_backend() != "tpu")
+    if impl == "cudnn":
+        fallback = functools.partial(chunked, q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window)
+        return _kernels.span_rotated(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,
+                                     implementation="cudnn", fallback=fallback)
     if impl == "dense":
         return dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window,
                      keys_transposed=keys_transposed)
@@ -182,8 +227,8 @@ def chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: floa
         key_valid = jnp.pad(key_valid, ((0, 0), (0, sp - s)))
     out = _flash(q_BxKxGxLxH, keys, values.astype(keys.dtype), key_valid, q_slot,
                  _Static(float(scale), window, bq, bk))
-    out = out[:, :, :, :l].astype(q_BxLxNxH.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
+    out = out[:, :, :, :l].transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
+    return jnp.where(_query_valid_BxL(mask)[:, :, None, None], out, 0).astype(q_BxLxNxH.dtype)
 
 
 class _Static(NamedTuple):

@@ -174,7 +174,7 @@ class Attention(nn.Module):
         if queries is not None:
             mask = AttentionMask(mask.key_valid, mask.query_slot[-queries:])
         out_BxLxNxH = attention.attend(q, keys, values, mask, implementation=c.attention, scale=h ** -0.5,
-                                       keys_transposed=keys_transposed)
+                                       keys_transposed=keys_transposed, queries_are_keys=kv is None and queries is None)
         out = proj("o_proj", (n, h, d), ("q_heads", "head_dim", "embed"), ("embed",) if c.o_bias else None,
                    n_out=1)(out_BxLxNxH)
         return out, kv

@@ -20,7 +20,8 @@ from jaxrlhf.rollout import generate
 from .conftest import PAD, VOCAB
 
 def _reference(q, k, v, key_valid, query_slot, scale, window):
-    """float64 loops: o[b, l, n] = Σ_s softmax(scale·q·k over allowed s) v; 0 with no allowed s."""
+    """float64 loops: o[b, l, n] = Σ_s softmax(scale·q·k over allowed s) v; 0 with no allowed s
+    (and at a padding query, whose own slot is not a real token)."""
     b, l, n, h = q.shape
     kh = k.shape[1]
     g = n // kh
@@ -28,7 +29,7 @@ def _reference(q, k, v, key_valid, query_slot, scale, window):
     for bi in range(b):
         for li in range(l):
             slot = query_slot[li]
-            allowed = [s for s in range(k.shape[2]) if key_valid[bi, s] and s <= slot
+            allowed = [s for s in range(k.shape[2]) if key_valid[bi, s] and key_valid[bi, slot] and s <= slot
                        and (window is None or s > slot - window)]
             for ni in range(n):
                 if not allowed:
@@ -187,3 +188,70 @@ def test_model_with_chunked_attention_equals_dense(hf_store, group_size):
         tokens = [generate(m, params, ids[:, :p], mask[:, :p], jax.random.key(0), max_new_tokens=4,
                            temperature=0.0).response_ids for m in (dense_model, chunk_model)]
         np.testing.assert_array_equal(np.asarray(tokens[0]), np.asarray(tokens[1]))
+
+
+def _self_attention_case(seed, *, b=4, l=40, n=4, kh=2, h=16, contiguous=True):
+    """Rows as this library batches them (left-padded prompt, right-padded response, one
+    row with no real token); `contiguous=False` adds a row with holes."""
+    q, k, v, _, query_slot = _case(seed, b=b, l=l, n=n, kh=kh, h=h)
+    key_valid = np.zeros((b, l), bool)
+    key_valid[0, 5:] = True
+    key_valid[1, :l - 7] = True
+    key_valid[3, 3:l - 4] = True
+    if not contiguous:
+        key_valid[3, 10:12] = False
+    return q, k, v, key_valid, query_slot
+
+
+def _check_against_dense(fn, case, window, atol=1e-5):
+    q, k, v, key_valid, query_slot = (jnp.asarray(x) for x in case)
+    mask = AttentionMask(key_valid, query_slot)
+    cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
+    dense = lambda q, k, v: attention.dense(q, k, v, mask, scale=0.3, window=window)
+    for f, want in ((fn, dense),):
+        got_out, got_vjp = jax.vjp(f, q, k, v)
+        want_out, want_vjp = jax.vjp(want, q, k, v)
+        np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=atol)
+        for a, b_ in zip(got_vjp(cot), want_vjp(cot)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=atol)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_splash_kernel_in_interpret_mode_equals_dense(window):
+    """The TPU splash kernel's adapter (segment ids for padding, MQA kernel per kv head,
+    L padded to its block), run by Pallas' interpreter on CPU."""
+    from jaxrlhf.models import _kernels
+
+    case = _self_attention_case(3)
+    fn = lambda q, k, v: _kernels.splash(q, k, v, jnp.asarray(case[3]), scale=0.3, window=window, interpret=True)
+    _check_against_dense(jax.jit(fn), case, window)
+
+
+@pytest.mark.parametrize("contiguous, window", [(True, None), (True, 9), (False, None)])
+def test_cudnn_adapter_with_the_xla_implementation_equals_dense(contiguous, window):
+    """The cuDNN path's glue (rows rotated to [0, n) spans, per-row lengths, GQA, local
+    window; the chunked fallback for a row with holes) with jax's XLA implementation
+    standing in for cuDNN, which needs a GPU."""
+    from jaxrlhf.models import _kernels
+
+    case = _self_attention_case(4, contiguous=contiguous)
+    key_valid = jnp.asarray(case[3])
+    mask = AttentionMask(key_valid, jnp.asarray(case[4]))
+
+    def fn(q, k, v):
+        fallback = functools.partial(attention.chunked, q, k, v, mask, scale=0.3, window=window)
+        return _kernels.span_rotated(q, k, v, key_valid, scale=0.3, window=window, implementation="xla",
+                                     fallback=fallback)
+    _check_against_dense(jax.jit(fn), case, window)
+
+
+def test_kernels_refuse_the_wrong_backend_and_resolve_off_self_attention():
+    with pytest.raises(ValueError, match="attention='cudnn' needs a GPU backend"):
+        attention.choose("cudnn", num_queries=8, num_keys=8, num_groups=1, queries_are_keys=True, platform="cpu")
+    with pytest.raises(ValueError, match="needs bfloat16 or float16"):
+        attention.choose("cudnn", num_queries=8, num_keys=8, num_groups=1, queries_are_keys=True, platform="gpu")
+    assert attention.choose("splash", num_queries=1, num_keys=64, num_groups=1, platform="tpu") == "chunked"
+    big = dict(num_queries=4096, num_keys=4096, num_groups=2, queries_are_keys=True)
+    assert attention.choose("auto", **big, platform="tpu") == "splash"
+    assert attention.choose("auto", **big, platform="gpu", dtype=jnp.bfloat16) == "cudnn"
+    assert attention.choose("auto", **big, platform="gpu", dtype=jnp.float32) == "chunked"

@@ -1,0 +1,95 @@
+"""Accelerator attention kernels, adapted to `attention.attend`'s mask and layout.
+
+Both kernels serve self-attention over one sequence (queries are the keys' own slots
+`0 .. L−1`: training and scoring passes), where the field's kernels are fastest; decode
+steps and cached queries use the dense or chunked forms.
+
+- `splash`: the Pallas TPU splash attention that ships with JAX
+  (`jax.experimental.pallas.ops.tpu.splash_attention`), its MQA kernel mapped over batch
+  rows and kv heads (GQA without repeated keys). Padding is expressed as segment ids
+  (`key_valid` for queries and keys alike): a real query attends to real keys at or
+  before its slot, exactly `allowed`; a padding query attends to padding keys and is then
+  zeroed. Runs in Pallas interpret mode off TPU, which is how the tests check it here.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention,
+  NVIDIA GPUs, bf16/fp16). cuDNN takes only per-row lengths (`[0, n)` spans), so each row
+  is rotated until its first real token sits at slot 0 — causal order is kept, a left-
+  padded prompt followed by a right-padded response becomes one right-padded span — and
+  rotated back after. Rows whose real tokens are not one contiguous span (never produced
+  by this library's batching, but allowed by the mask) send the whole call to the chunked
+  form, decided on device (`lax.cond`), so the result is always exact. The same glue runs
+  with `implementation="xla"` in the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_SPLASH_BLOCK = 128  # the splash kernel's default block; L is padded to a multiple of it
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(length: int, groups: int, window: int | None, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    shape = (length, length)
+    one = sm.CausalMask(shape) if window is None else sm.LocalMask(shape, (window - 1, 0), 0)
+    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * groups), interpret=interpret)
+
+
+def splash(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, window: int | None,
+           interpret: bool = False):
+    """Causal (optionally local) self-attention with the Pallas splash kernel; `[B, L, N, H]`."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    b, l, n, h = q_BxLxNxH.shape
+    kh = k_BxKxLxH.shape[1]
+    g = n // kh
+    lp = -(-l // _SPLASH_BLOCK) * _SPLASH_BLOCK
+    pad = lambda x, axis: jnp.pad(x, [(0, lp - l) if a == axis else (0, 0) for a in range(x.ndim)])
+    q_BxKxGxLxH = (q_BxLxNxH * jnp.asarray(scale, q_BxLxNxH.dtype)).reshape(b, l, kh, g, h).transpose(0, 2, 3, 1, 4)
+    q_BxKxGxLxH = pad(q_BxKxGxLxH, 3)
+    k, v = pad(k_BxKxLxH, 2), pad(v_BxKxLxH.astype(k_BxKxLxH.dtype), 2)
+    seg_BxL = pad(key_valid_BxL.astype(jnp.int32), 1)
+    kernel = _splash_kernel(lp, g, window, interpret)
+
+    def one_row(q_KxGxLxH, k_KxLxH, v_KxLxH, seg_L):
+        ids = sk.SegmentIds(q=seg_L, kv=seg_L)
+        return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q_KxGxLxH, k_KxLxH, v_KxLxH)
+
+    out = jax.vmap(one_row)(q_BxKxGxLxH, k, v, seg_BxL)[:, :, :, :l]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
+    return jnp.where(key_valid_BxL[:, :, None, None], out, 0).astype(q_BxLxNxH.dtype)
+
+
+def span_rotated(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, window: int | None,
+                 implementation: str, fallback):
+    """Self-attention through `jax.nn.dot_product_attention` on rows rotated to `[0, n)`
+    spans (see the module docstring); `fallback()` computes it when a row is not one span."""
+    b, l, n, h = q_BxLxNxH.shape
+    valid = key_valid_BxL.astype(bool)
+    idx_L = jnp.arange(l)
+    count_B = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    start_B = jnp.where(count_B > 0, jnp.argmax(valid, axis=1), 0).astype(jnp.int32)
+    last_B = jnp.max(jnp.where(valid, idx_L[None], -1), axis=1)
+    one_span = jnp.all((count_B == 0) | (last_B - start_B + 1 == count_B))
+
+    def kernel():
+        fwd_BxL = (idx_L[None] + start_B[:, None]) % l
+        back_BxL = (idx_L[None] - start_B[:, None]) % l
+        rows = lambda x, index: jnp.take_along_axis(x, index.reshape(b, l, *(1,) * (x.ndim - 2)), axis=1)
+        q = rows(q_BxLxNxH, fwd_BxL)
+        k = rows(k_BxKxLxH.transpose(0, 2, 1, 3), fwd_BxL)
+        v = rows(v_BxKxLxH.transpose(0, 2, 1, 3), fwd_BxL).astype(k.dtype)
+        lengths = jnp.maximum(count_B, 1)  # an empty row still gets one key; it is zeroed below
+        out = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+            local_window_size=None if window is None else (window - 1, 0), implementation=implementation)
+        out = rows(out, back_BxL)
+        return jnp.where(valid[:, :, None, None], out, 0).astype(q_BxLxNxH.dtype)
+
+    return lax.cond(one_span, kernel, fallback)
