@@ -21,6 +21,10 @@ one device:
    large `x + 1` copy: one read, one write). Reported: tokens/s, roofline tokens/s, and
    their ratio.
 
+4. **Attention implementations** (`bench_attention.py`): each one this device runs
+   (dense, chunked, and cuDNN on a GPU or splash on a TPU) checked against dense in
+   values and gradients on the device, then timed forward + backward at L = 2k and 8k.
+
 Writes `<out>/bench_gpu.json` and `<out>/bench_gpu.md`.
 
     benchmarks/gpu.sh                       # on a GPU machine, ~5-8 minutes
@@ -45,7 +49,9 @@ import optax
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+import bench_attention  # noqa: E402
 from jaxrlhf.algorithms.common import TrainState  # noqa: E402
 from jaxrlhf.models.config import ModelConfig  # noqa: E402
 from jaxrlhf.models.transformer import Transformer, init_params  # noqa: E402
@@ -223,6 +229,11 @@ def to_markdown(res: dict) -> str:
         f"per step) | {de['roofline_step_s'] * 1e3:.2f} ms/step, {de['roofline_tokens_per_s']:.0f} tokens/s |",
         f"| **decode fraction of roofline** | **{100 * de['fraction_of_roofline']:.1f}%** |", "",
     ]
+    for row in res.get("attention", {}).get("rows", []):
+        err = row.get("error_vs_dense")
+        cells = [f"{k}: {v['fwd_bwd_ms']:.2f} ms ({v['tflops']:.3g} TFLOP/s)" for k, v in row.items() if k.startswith("L=")]
+        lines.append(f"- attention `{row['implementation']}`: " + ("; ".join(cells) or row.get("failed", ""))
+                     + (f"; max error vs dense {max(err.values()):.2e}" if err else ""))
     return "\n".join(lines)
 
 
@@ -232,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu"))
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     s = setups(args.tiny)
@@ -258,6 +270,8 @@ def main(argv=None):
         res["decode"] = bench_decode(s, res["bandwidth"]["gb_per_s"])
         print(f"decode: {res['decode']['tokens_per_s']:.0f} tokens/s, "
               f"{100 * res['decode']['fraction_of_roofline']:.1f}% of roofline", flush=True)
+    if not args.skip_attention:
+        res["attention"] = bench_attention.run(tiny=args.tiny)
     res["wall_s"] = time.perf_counter() - t_start
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:

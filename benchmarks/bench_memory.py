@@ -1,0 +1,206 @@
+"""Training-step memory at real sequence lengths, planned ahead of time (no weights needed).
+
+Each row compiles a step with `jax.jit(f).lower(*abstract).compile()` on `jax.eval_shape`
+params and reads XLA's plan, `memory_analysis().temp_size_in_bytes` (temporaries; the
+arguments — params, optimizer state, batch — are listed apart). "dense" is the model as
+it was before the long-sequence work (`attention="dense"` and, where the option exists,
+the plain LM head); "default" is what a user gets (`"auto"` everywhere).
+
+Parts:
+  table  SmolLM2-135M-shaped model cut to 4 layers, B = 1, P = 64: `jax.grad` of the summed
+         `algorithms.common.response_logprobs` (the path every trainer takes).
+  grpo   Qwen2.5-0.5B-shaped (896 wide, 24 layers, 14/2 heads, V = 151,936), B = 8, P = 256:
+         `grpo.update` with β > 0 (reference log-probs in the batch), token-mean loss.
+  ppo    the same model as actor and as a separate critic, `ppo.update` (one epoch, one
+         minibatch), the four-model PPO's training step.
+  8b     Llama-3-8B-shaped PPO step (actor and critic trained with AdamW, float32 master
+         weights; reference and reward model frozen in bf16; bf16 compute) on an 8-device
+         fsdp mesh of XLA:CPU devices: the per-device plan for 8 accelerators.
+
+XLA:CPU's schedule does not honour rematerialisation, so figures with remat are upper
+bounds on an accelerator's.
+
+    python benchmarks/bench_memory.py --part table
+    python benchmarks/bench_memory.py --part grpo --lengths 1024,2048,4096,8192,16384
+    python benchmarks/bench_memory.py --part 8b     # sets 8 host devices itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--part" in sys.argv and sys.argv[sys.argv.index("--part") + 1] == "8b":
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxrlhf.algorithms import common, grpo, ppo  # noqa: E402
+from jaxrlhf.algorithms.experience import SamplingConfig  # noqa: E402
+from jaxrlhf.models import ModelConfig, Transformer  # noqa: E402
+from jaxrlhf.models.config import RUNTIME_FIELDS  # noqa: E402
+
+MiB = 2**20
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+            tie_word_embeddings=True, max_position_embeddings=65536)
+QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                num_kv_heads=2, head_dim=64, tie_word_embeddings=True, qkv_bias=True, model_type="qwen2",
+                max_position_embeddings=65536)
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                num_kv_heads=8, head_dim=128, tie_word_embeddings=False, max_position_embeddings=131072)
+# The model before the long-sequence work; options this version lacks are left out.
+DENSE = {k: v for k, v in dict(attention="dense", logprobs_head="plain").items() if k in RUNTIME_FIELDS}
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+def abstract_params(model: Transformer, dtype=None):
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"])
+    params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
+                          is_leaf=lambda x: hasattr(x, "value"))
+    if dtype is not None:
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+    return params
+
+
+def plan(fn, *args) -> dict:
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    m = compiled.memory_analysis()
+    return dict(temp_mib=round(m.temp_size_in_bytes / MiB, 1), args_mib=round(m.argument_size_in_bytes / MiB, 1),
+                compile_s=round(time.perf_counter() - t0, 1))
+
+
+def seq(b, length, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct((b, length), dtype)
+
+
+def part_table(lengths, layers=4, b=1, p=64):
+    rows = []
+    for t in lengths:
+        for name, opts in (("dense", DENSE), ("default", {})):
+            model = Transformer(ModelConfig(num_layers=layers, **SMOL, **opts))
+            params = abstract_params(model)
+
+            def loss(params, ids, mask):
+                logp, _, _ = common.response_logprobs(model, params, ids, mask, p)
+                return jnp.sum(logp)
+            rows.append(dict(part="table", T=t, variant=name, **plan(jax.grad(loss), params, seq(b, p + t),
+                                                                     seq(b, p + t, jnp.bool_))))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _grpo_inputs(model, b, p, t):
+    tx = optax.adamw(1e-6)
+    sampling = SamplingConfig(max_new_tokens=t, num_samples=b)
+    cfg = grpo.GRPOConfig(sampling=sampling, beta=0.04)
+    state = jax.eval_shape(lambda params: grpo.init_state(params, tx), abstract_params(model))
+    f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
+    batch = grpo.Batch(seq(b, p + t), seq(b, p + t, jnp.bool_), seq(b, t, jnp.bool_), f32(), None, f32(), None)
+    step = lambda state, batch, rng: grpo.update(state, batch, rng, model=model, tx=tx, cfg=cfg)
+    return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0)))
+
+
+def part_grpo(lengths, b=8, p=256):
+    rows = []
+    for t in lengths:
+        for name, opts in (("dense", DENSE), ("default", {})):
+            model = Transformer(ModelConfig(**QWEN_05B, **opts))
+            step, args = _grpo_inputs(model, b, p, t)
+            rows.append(dict(part="grpo", T=t, variant=name, **plan(step, *args)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _ppo_inputs(shape, opts, b, p, t, *, dtype="float32", frozen_dtype=None):
+    actor = Transformer(ModelConfig(**shape, **opts, dtype=dtype), head="lm")
+    critic = Transformer(ModelConfig(**shape, **opts, dtype=dtype), head="score")
+    tx = optax.adamw(1e-6)
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=t), num_ppo_epochs=1, num_minibatches=1)
+    actor_p, critic_p = abstract_params(actor), abstract_params(critic)
+    frozen = lambda m: abstract_params(m, frozen_dtype)
+    state = jax.eval_shape(
+        lambda a, c, r, rm: ppo.init_state(cfg, actor, a, tx, critic_model=critic, critic_params=c, tx_critic=tx,
+                                           ref_params=r, reward=critic, reward_params=rm),
+        actor_p, critic_p, frozen(actor), frozen(critic))
+    f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
+    batch = dict(sequences=seq(b, p + t), attention_mask=seq(b, p + t, jnp.bool_), response_mask=seq(b, t, jnp.bool_),
+                 old_logp=f32(), old_values=f32(), advantages=f32(), returns=f32())
+    step = lambda state, batch, rng: ppo.update(state, batch, rng, actor_model=actor, critic_model=critic,
+                                                tx_actor=tx, tx_critic=tx, cfg=cfg)
+    return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0)))
+
+
+def part_ppo(lengths, b=8, p=256):
+    rows = []
+    for t in lengths:
+        for name, opts in (("dense", DENSE), ("default", {})):
+            step, args = _ppo_inputs(QWEN_05B, opts, b, p, t)
+            rows.append(dict(part="ppo", T=t, variant=name, **plan(step, *args)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def part_8b(lengths, b=8, p=512):
+    """Per-device plan of the PPO step under `fsdp=8` with the default rules, via `jit_step`."""
+    from jaxrlhf import parallel
+
+    mesh = parallel.make_mesh("fsdp=8")
+    rows = []
+    for t in lengths:
+        for name, opts in (("dense", DENSE), ("default", {})):
+            step, (state, batch, rng) = _ppo_inputs(LLAMA_8B, opts, b, p, t, dtype="bfloat16",
+                                                    frozen_dtype=jnp.bfloat16)
+            actor_sh = parallel.param_shardings(Transformer(ModelConfig(**LLAMA_8B), head="lm"), mesh)
+            critic_sh = parallel.param_shardings(Transformer(ModelConfig(**LLAMA_8B), head="score"), mesh)
+            sh = parallel.state_shardings(state, roles={"actor": actor_sh, "critic": critic_sh,
+                                                        "ref_params": actor_sh, "reward_params": critic_sh})
+            t0 = time.perf_counter()
+            compiled = parallel.jit_step(step, mesh=mesh, state_shardings=sh).lower(state, batch, rng).compile()
+            m = compiled.memory_analysis()
+            rows.append(dict(part="8b", T=t, variant=name, devices=jax.device_count(),
+                             temp_mib=round(m.temp_size_in_bytes / MiB, 1),
+                             args_mib=round(m.argument_size_in_bytes / MiB, 1),
+                             compile_s=round(time.perf_counter() - t0, 1)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+PARTS = {"table": (part_table, "256,512,1024,2048,4096"), "grpo": (part_grpo, "1024,2048,4096,8192,16384"),
+         "ppo": (part_ppo, "1024,2048,4096,8192,16384"), "8b": (part_8b, "2048,4096,8192")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=sorted(PARTS), required=True)
+    ap.add_argument("--lengths", default=None, help="comma-separated response lengths T")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    fn, default = PARTS[args.part]
+    rows = fn([int(x) for x in (args.lengths or default).split(",")])
+    print(f"\n| T | dense temp MiB | default temp MiB | ratio | default / previous T |")
+    print("|---|---|---|---|---|")
+    prev = None
+    for t in sorted({r["T"] for r in rows}):
+        d = next(r["temp_mib"] for r in rows if r["T"] == t and r["variant"] == "dense")
+        n = next(r["temp_mib"] for r in rows if r["T"] == t and r["variant"] == "default")
+        growth = f"×{n / prev:.2f}" if prev else ""
+        print(f"| {t} | {d:,.0f} | {n:,.0f} | {d / max(n, 1e-9):.1f}× | {growth} |")
+        prev = n
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
