@@ -75,3 +75,25 @@ def test_last_position_only_fills_the_same_cache_and_last_position(hf_store, rem
     # Without a cache too (a scoring pass that needs only the next token's logits).
     full, tail = apply(ids, mask[:, :p]), apply(ids, mask[:, :p], last_position_only=True)
     np.testing.assert_allclose(np.asarray(tail.logits[:, 0]), np.asarray(full.logits[:, -1]), atol=1e-5, rtol=0)
+
+
+def test_bfloat16_cache_with_float32_params(hf_store):
+    """`cache_dtype="bfloat16"`: the cache is stored in bf16 (half the bytes), the params and
+    compute stay float32, and cached decoding stays within bf16 rounding of the full pass."""
+    path = hf_store.get("llama3")[0]
+    model, params = load_pretrained(path, cache_dtype="bfloat16")
+    ids, mask, p = _left_padded()
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    cache = init_cache(model.config, ids.shape[0], ids.shape[1])
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(cache))
+    full = np.asarray(model.apply({"params": params}, ids, mask).logits)
+    step = jax.jit(lambda cache, x, i: model.apply({"params": params}, x, mask, cache=cache, cache_index=i))
+    out = step(cache, ids[:, :p], 0)
+    got = [np.asarray(out.logits)]
+    for t in range(p, ids.shape[1]):
+        out = step(out.cache, ids[:, t:t + 1], t)
+        got.append(np.asarray(out.logits))
+    got, valid = np.concatenate(got, axis=1), np.asarray(mask, bool)
+    assert out.logits.dtype == jnp.float32
+    np.testing.assert_allclose(got[valid], full[valid], atol=0.05 * np.abs(full).max())
+    assert np.abs(got[valid] - full[valid]).max() > 0  # the cache really is rounded
