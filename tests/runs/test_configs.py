@@ -63,6 +63,20 @@ def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_pat
     with config.unlocked():
         config.model.path = str(tmp_path / "ckpt")
         config.task.path = str(tmp_path / "train.jsonl")
+        # The model options reach the model: chunked attention, a bf16 KV cache.
+        config.model.attention = "chunked"
+        config.model.cache_dtype = "bfloat16"
     summary = train_and_evaluate(config, tmp_path / "run")
     assert "after GRPO" in summary["stages"]
     assert (tmp_path / "run" / "export" / "model.safetensors").exists()
+
+
+def test_model_options_reach_the_model_config():
+    """`config.model.<option>` (RUNTIME_FIELDS) is what the built model runs with."""
+    from jaxrlhf.runs import config_base, setup
+
+    cfg = config_base.model(attention="chunked", cache_dtype="bfloat16")
+    model, _ = setup.build_model(cfg, vocab_size=16)
+    assert (model.config.attention, model.config.cache_dtype) == ("chunked", "bfloat16")
+    with pytest.raises(ValueError, match="attention='flash'"):
+        setup.build_model(config_base.model(attention="flash"), vocab_size=16)
