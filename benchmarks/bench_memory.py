@@ -15,7 +15,11 @@ Parts:
          minibatch), the four-model PPO's training step.
   8b     Llama-3-8B-shaped PPO step (actor and critic trained with AdamW, float32 master
          weights; reference and reward model frozen in bf16; bf16 compute) on an 8-device
-         fsdp mesh of XLA:CPU devices: the per-device plan for 8 accelerators.
+         fsdp mesh of XLA:CPU devices: the per-device plan for 8 accelerators, with the
+         scanned, rematerialised stack (the setting for that size).
+
+Variants: "dense" (before), "default" (`auto` everywhere) and "scan+remat" (the default
+plus `scan_layers=True, remat="full"`).
 
 XLA:CPU's schedule does not honour rematerialisation, so figures with remat are upper
 bounds on an accelerator's.
@@ -57,6 +61,11 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                 num_kv_heads=8, head_dim=128, tie_word_embeddings=False, max_position_embeddings=131072)
 # The model before the long-sequence work; options this version lacks are left out.
 DENSE = {k: v for k, v in dict(attention="dense", logprobs_head="plain").items() if k in RUNTIME_FIELDS}
+# What a user at real lengths turns on besides the defaults: the scanned stack with each
+# layer rematerialised (in a scan the saved residuals are what the policy says, so XLA:CPU's
+# plan shows remat's effect there; unrolled, its schedule ignores remat).
+SCAN_REMAT = dict(scan_layers=True, remat="full") if "scan_layers" in RUNTIME_FIELDS else None
+VARIANTS = [("dense", DENSE), ("default", {})] + ([("scan+remat", SCAN_REMAT)] if SCAN_REMAT else [])
 
 
 def abstract(tree):
@@ -88,7 +97,7 @@ def seq(b, length, dtype=jnp.int32):
 def part_table(lengths, layers=4, b=1, p=64):
     rows = []
     for t in lengths:
-        for name, opts in (("dense", DENSE), ("default", {})):
+        for name, opts in VARIANTS:
             model = Transformer(ModelConfig(num_layers=layers, **SMOL, **opts))
             params = abstract_params(model)
 
@@ -115,7 +124,9 @@ def _grpo_inputs(model, b, p, t):
 def part_grpo(lengths, b=8, p=256):
     rows = []
     for t in lengths:
-        for name, opts in (("dense", DENSE), ("default", {})):
+        for name, opts in VARIANTS:
+            if name == "dense" and t > 8192:
+                continue  # its plan passes 2 TiB at 8k already
             model = Transformer(ModelConfig(**QWEN_05B, **opts))
             step, args = _grpo_inputs(model, b, p, t)
             rows.append(dict(part="grpo", T=t, variant=name, **plan(step, *args)))
@@ -145,7 +156,9 @@ def _ppo_inputs(shape, opts, b, p, t, *, dtype="float32", frozen_dtype=None):
 def part_ppo(lengths, b=8, p=256):
     rows = []
     for t in lengths:
-        for name, opts in (("dense", DENSE), ("default", {})):
+        for name, opts in VARIANTS:
+            if name == "dense" and t > 8192:
+                continue
             step, args = _ppo_inputs(QWEN_05B, opts, b, p, t)
             rows.append(dict(part="ppo", T=t, variant=name, **plan(step, *args)))
             print(json.dumps(rows[-1]), flush=True)
@@ -159,11 +172,13 @@ def part_8b(lengths, b=8, p=512):
     mesh = parallel.make_mesh("fsdp=8")
     rows = []
     for t in lengths:
-        for name, opts in (("dense", DENSE), ("default", {})):
-            step, (state, batch, rng) = _ppo_inputs(LLAMA_8B, opts, b, p, t, dtype="bfloat16",
+        for name, opts in [(n, o) for n, o in VARIANTS if n != "default"]:
+            step, (state, batch, rng) = _ppo_inputs(LLAMA_8B, dict(opts, scan_layers=True, remat="full"), b, p, t,
+                                                    dtype="bfloat16",
                                                     frozen_dtype=jnp.bfloat16)
-            actor_sh = parallel.param_shardings(Transformer(ModelConfig(**LLAMA_8B), head="lm"), mesh)
-            critic_sh = parallel.param_shardings(Transformer(ModelConfig(**LLAMA_8B), head="score"), mesh)
+            stacked = ModelConfig(**LLAMA_8B, scan_layers=True)
+            actor_sh = parallel.param_shardings(Transformer(stacked, head="lm"), mesh)
+            critic_sh = parallel.param_shardings(Transformer(stacked, head="score"), mesh)
             sh = parallel.state_shardings(state, roles={"actor": actor_sh, "critic": critic_sh,
                                                         "ref_params": actor_sh, "reward_params": critic_sh})
             t0 = time.perf_counter()
@@ -186,18 +201,24 @@ def main():
     ap.add_argument("--part", choices=sorted(PARTS), required=True)
     ap.add_argument("--lengths", default=None, help="comma-separated response lengths T")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of: " + ",".join(n for n, _ in VARIANTS))
     args = ap.parse_args()
+    if args.variants:
+        keep = args.variants.split(",")
+        VARIANTS[:] = [(n, o) for n, o in VARIANTS if n in keep]
     fn, default = PARTS[args.part]
     rows = fn([int(x) for x in (args.lengths or default).split(",")])
-    print(f"\n| T | dense temp MiB | default temp MiB | ratio | default / previous T |")
-    print("|---|---|---|---|---|")
+    names = [n for n, _ in VARIANTS if any(r["variant"] == n for r in rows)]
+    print("\n| T | " + " | ".join(f"{n} temp MiB" for n in names) + " | dense / default | default / previous T |")
+    print("|---|" + "---|" * (len(names) + 2))
     prev = None
     for t in sorted({r["T"] for r in rows}):
-        d = next(r["temp_mib"] for r in rows if r["T"] == t and r["variant"] == "dense")
-        n = next(r["temp_mib"] for r in rows if r["T"] == t and r["variant"] == "default")
-        growth = f"×{n / prev:.2f}" if prev else ""
-        print(f"| {t} | {d:,.0f} | {n:,.0f} | {d / max(n, 1e-9):.1f}× | {growth} |")
-        prev = n
+        temp = {r["variant"]: r["temp_mib"] for r in rows if r["T"] == t}
+        cells = [f"{temp[n]:,.0f}" if n in temp else "" for n in names]
+        ratio = f"{temp['dense'] / temp['default']:.1f}×" if {"dense", "default"} <= set(temp) else ""
+        growth = f"×{temp['default'] / prev:.2f}" if prev and "default" in temp else ""
+        print(f"| {t} | " + " | ".join(cells) + f" | {ratio} | {growth} |")
+        prev = temp.get("default")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
