@@ -17,9 +17,8 @@ at `cache_index`, and `attention_mask` then covers all `S` slots.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
-
 import re
+from typing import NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
