@@ -141,7 +141,8 @@ def load_pretrained(
         N(0, 0.02) with `seed`, and a checkpoint head the model does not use is dropped;
         both are logged as warnings.
       options: the `ModelConfig` fields a checkpoint does not store (`RUNTIME_FIELDS`:
-        `remat`, `attention`, `cache_dtype`, ...); anything else is refused.
+        `remat`, `attention`, `cache_dtype`, `scan_layers`); anything else is refused. With
+        `scan_layers=True` the layers come stacked (`layers/...` `[n, ...]`).
       seed: seeds the freshly initialised head parameters, if any.
       shardings: optional pytree like the params of `jax.sharding.Sharding`s, or a function
         `Transformer -> pytree` (e.g. `lambda m: parallel.param_shardings(m, mesh, rules)`).
