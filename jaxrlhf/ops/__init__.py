@@ -21,6 +21,7 @@ from jaxrlhf.ops._advantages import (
     whiten,
 )
 from jaxrlhf.ops._kl import approx_kl, kl, shape_rewards
+from jaxrlhf.ops._linear_logprobs import LinearLogprobs, linear_logprobs
 from jaxrlhf.ops._logprobs import (
     entropy,
     sequence_logprobs,
@@ -36,6 +37,8 @@ __all__ = [
     "entropy",
     "sequence_logprobs",
     "shift_logits_for_response",
+    "LinearLogprobs",
+    "linear_logprobs",
     # KL (SPEC §3)
     "kl",
     "approx_kl",
