@@ -26,7 +26,11 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
 # How the model runs, not what it is: set by the user, never read from or written to a
 # checkpoint's config.json (`load_pretrained(path, **options)`, `config.model.<field>`).
-RUNTIME_FIELDS = ("remat", "attention", "cache_dtype")
+RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "logprobs_head")
+# How the trainer's log-probs meet the LM head (`jaxrlhf.algorithms.common.head_logprobs`):
+# "plain" projects the [B, T, V] logits, "chunked" fuses the head into `ops.linear_logprobs`
+# (no [B, T, V] array), "auto" picks by size.
+LOGPROBS_HEADS = ("auto", "plain", "chunked")
 
 
 class UnsupportedConfigError(ValueError):
@@ -51,7 +55,9 @@ class ModelConfig:
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters,
     `cache_dtype` the sampler's KV cache dtype (default: `dtype`; bf16 with float32 params
     halves the cache); RMSNorm, softmax and rotary angles are always computed in float32.
-    `attention` picks the attention implementation (`jaxrlhf.models.attention`).
+    `attention` picks the attention implementation (`jaxrlhf.models.attention`),
+    `logprobs_head` how training and scoring passes take log-probs from the LM head
+    (`LOGPROBS_HEADS`).
     """
 
     vocab_size: int
@@ -79,6 +85,7 @@ class ModelConfig:
     remat: bool = False
     attention: str = "auto"  # a name in `jaxrlhf.models.attention.IMPLEMENTATIONS`
     cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
+    logprobs_head: str = "auto"  # a name in LOGPROBS_HEADS
 
     def __post_init__(self):
         if self.model_type not in _FAMILIES:
@@ -99,6 +106,8 @@ class ModelConfig:
             )
         if self.attention not in IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}; expected one of {list(IMPLEMENTATIONS)}")
+        if self.logprobs_head not in LOGPROBS_HEADS:
+            raise ValueError(f"logprobs_head={self.logprobs_head!r}; expected one of {list(LOGPROBS_HEADS)}")
         for name in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
