@@ -58,10 +58,11 @@ def _close_to_max(got, want, rtol):
 _plain_vg = jax.jit(functools.partial(_value_and_grads, _plain), static_argnames="tied")
 
 
-# (chunk_size, vocab_chunk_size): defaults; 1 row and 1 column at a time; 3 rows and 4 or 5
-# columns (remainders of 1 row, 1 and 3 columns: the clamped last block overlaps); all rows
-# (≥ B·T) in one vocabulary block; chunks larger than both.
-@pytest.mark.parametrize("chunk,vocab_chunk", [(None, None), (1, 1), (3, 4), (3, 5), (10, None), (64, 64)])
+# (chunk_size, vocab_chunk_size): defaults (one chunk, one block here); 1 row and 1 column
+# at a time; 3 rows and 4 columns (10 = 3·3 + 1 rows, 13 = 3·4 + 1 columns: the last block
+# is clamped to columns 9..12 and overlaps the previous one); all 10 rows (≥ T) in blocks
+# larger than V.
+@pytest.mark.parametrize("chunk,vocab_chunk", [(None, None), (1, 1), (3, 4), (10, 64)])
 def test_values_and_gradients_equal_the_plain_path(chunk, vocab_chunk):
     h, w, y = _inputs(0)
     fused = jax.jit(functools.partial(_value_and_grads, functools.partial(_fused, chunk=chunk, vocab_chunk=vocab_chunk)))

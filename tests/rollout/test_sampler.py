@@ -34,6 +34,11 @@ def _full_logits(seq, mask):  # jitted: eager dispatch recompiled every op for e
     return MODEL.apply({"params": PARAMS}, seq, mask).logits
 
 
+@functools.partial(jax.jit, static_argnums=3)  # τ traced: one compilation for both temperatures
+def _chunked_logprobs(params, seq, mask, prompt_len, temperature):
+    return common.response_logprobs(MODEL_CHUNKED, params, seq, mask, prompt_len, temperature=temperature)
+
+
 def test_greedy_equals_stepwise_argmax_of_full_forward():
     ids, mask = _prompts(np.random.default_rng(0), 3, 6)
     out = generate(MODEL, PARAMS, ids, mask, jax.random.key(0), max_new_tokens=7, temperature=0.0)
@@ -69,9 +74,8 @@ def test_sampler_logprobs_equal_trainer_token_logprobs(temperature):
     m = np.asarray(out.response_mask)
     np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(trainer)[m], atol=2e-5)
     # The trainer's own path with the fused LM head (ops.linear_logprobs) agrees too.
-    fused = jax.jit(functools.partial(common.response_logprobs, MODEL_CHUNKED, prompt_len=p, temperature=temperature))
-    np.testing.assert_allclose(np.asarray(out.logprobs)[m],
-                               np.asarray(fused(PARAMS, out.sequences, out.attention_mask)[0])[m], atol=2e-5)
+    fused = _chunked_logprobs(PARAMS, out.sequences, out.attention_mask, p, jnp.float32(temperature))[0]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(fused)[m], atol=2e-5)
 
 
 def test_sampling_frequencies_match_softmax_over_temperature():
