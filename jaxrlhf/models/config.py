@@ -26,7 +26,7 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
 # How the model runs, not what it is: set by the user, never read from or written to a
 # checkpoint's config.json (`load_pretrained(path, **options)`, `config.model.<field>`).
-RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "scan_layers")
+RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "scan_layers", "logprobs_head")
 # `ModelConfig.remat`: what each decoder layer keeps for the backward pass.
 #   "none": everything (no rematerialisation);
 #   "full": only its input (`jax.checkpoint`, nothing saveable): the layer is recomputed;
@@ -36,6 +36,10 @@ RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "scan_layers")
 #     (`offload_dot_with_no_batch_dims("device", "pinned_host")`).
 # The booleans of earlier versions are accepted: True -> "full", False -> "none".
 REMAT_POLICIES = ("none", "full", "dots", "offload")
+# How the trainer's log-probs meet the LM head (`jaxrlhf.algorithms.common.head_logprobs`):
+# "plain" projects the [B, T, V] logits, "chunked" fuses the head into `ops.linear_logprobs`
+# (no [B, T, V] array), "auto" picks by size.
+LOGPROBS_HEADS = ("auto", "plain", "chunked")
 
 
 class UnsupportedConfigError(ValueError):
@@ -66,6 +70,8 @@ class ModelConfig:
     parameters stacked on a leading `[num_layers]` axis (the subtree `layers`, logical
     axis "layers"), so compile time does not grow with depth; False (the default) unrolls
     `layers_0 .. layers_{n-1}`, which decodes faster on CPU.
+    `logprobs_head` how training and scoring passes take log-probs from the LM head
+    (`LOGPROBS_HEADS`).
     """
 
     vocab_size: int
@@ -94,6 +100,7 @@ class ModelConfig:
     scan_layers: bool = False
     attention: str = "auto"  # a name in `jaxrlhf.models.attention.IMPLEMENTATIONS`
     cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
+    logprobs_head: str = "auto"  # a name in LOGPROBS_HEADS
 
     def __post_init__(self):
         if isinstance(self.remat, (bool, np.bool_)):
@@ -121,6 +128,8 @@ class ModelConfig:
             )
         if self.attention not in IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}; expected one of {list(IMPLEMENTATIONS)}")
+        if self.logprobs_head not in LOGPROBS_HEADS:
+            raise ValueError(f"logprobs_head={self.logprobs_head!r}; expected one of {list(LOGPROBS_HEADS)}")
         for name in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")

@@ -214,6 +214,29 @@ def forward_equals_unsharded():
     return f"max |diff| {worst}"
 
 
+@check
+def chunked_head_equals_unsharded():
+    """The fused LM head (`logprobs_head="chunked"`, ops.linear_logprobs) with the
+    vocabulary split over tensor=2: the policy loss and its gradients equal the plain head's
+    on one device. Tied embeddings (Qwen3), whose head is `embedding.T`; the untied head
+    runs sharded through the same `linear_logprobs` call."""
+    mesh = mesh_of("fsdp4_tensor2")
+    b = M.batch()
+    out = []
+    for cfg in (M.QWEN3,):
+        plain, chunked = Transformer(cfg), Transformer(cfg.replace(logprobs_head="chunked"))
+        params = jax.jit(lambda r: init_params(plain, r, seq_len=2))(jax.random.key(3))
+        grad = lambda model: jax.jit(jax.value_and_grad(lambda p, x: M.loss_fn(model, p, x)[0]))
+        want = grad(plain)(params, b)
+        p_sh = parallel.param_shardings(chunked, mesh)
+        head = p_sh["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else p_sh["lm_head"]["kernel"]
+        assert "tensor" in head.spec, head.spec
+        got = grad(chunked)(jax.device_put(params, p_sh), parallel.shard_batch(b, mesh))
+        d = close(got, want, rtol=1e-4, atol=1e-6, what=cfg.model_type)
+        out.append(f"{cfg.model_type}: max |diff| {d:.1e}")
+    return "; ".join(out)
+
+
 @cached
 def trained(mesh_name, steps=2):
     """`(state, metrics)` after `steps` AdamW steps, single-device for mesh_name None."""
