@@ -41,7 +41,8 @@ RSS (`VmHWM` of /proc/self/status at the end of the worker) is that framework's 
 de-quantises it to float32 (needs the `gguf` and `accelerate` packages), the weights go into
 a fresh `from_config` model, saved as safetensors with the tokenizer and chat template.
 
-Each worker runs under `timeout --timeout` seconds. Every row records a CPU watch of its
+Each worker is killed after `--timeout` seconds (its last PROGRESS line, with the step
+times and peak RSS so far, is then reported). Every row records a CPU watch of its
 subprocess (`_common.CpuWatch`): a result with `contended: true` (other processes used CPU
 while it ran) is not valid, only indicative.
 """
@@ -108,6 +109,13 @@ def vm_hwm_gib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def progress(event: str, **fields) -> None:
+    """A `PROGRESS {json}` line on stderr (with the peak RSS so far): what a timed-out worker did."""
+    fields.update(event=event, since_start_s=round(time.perf_counter() - T_START, 1),
+                  peak_rss_gib=round(vm_hwm_gib(), 3))
+    print("PROGRESS " + json.dumps(fields), file=sys.stderr, flush=True)
+
+
 # --------------------------------------------------------------------------- checkpoint
 
 
@@ -169,6 +177,7 @@ def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
     model, params = load_pretrained(ckpt, **options)  # unknown options: TypeError, reported as is
     ref = jax.block_until_ready(jax.tree.map(jnp.copy, params))
     load_s = time.perf_counter() - t0
+    progress("loaded", load_s=round(load_s, 2))
 
     total = 1 + steps
     tx, schedule = common.make_optimizer(common.OptimConfig(
@@ -200,11 +209,13 @@ def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
     first = step()
     first_s = time.perf_counter() - t0
     to_first_s = time.perf_counter() - T_START
+    progress("step", step=1, step_s=round(first_s, 2))
     later, history = [], []
-    for _ in range(steps):
+    for i in range(steps):
         t0 = time.perf_counter()
         history.append(step())
         later.append(time.perf_counter() - t0)
+        progress("step", step=i + 2, step_s=round(later[-1], 2))
     first = jax.device_get(first)
     return dict(
         side="jaxrlhf", options=options, load_s=load_s, first_step_s=first_s, later_step_times=later,
@@ -261,6 +272,7 @@ def worker_trl(ckpt: str, steps: int) -> dict:
             now = time.perf_counter()
             step_times.append(now - self.t0)
             marks.setdefault("first_step_end", now)
+            progress("step", step=len(step_times), step_s=round(step_times[-1], 2))
 
     total = 1 + steps
     with tempfile.TemporaryDirectory() as out_dir:
@@ -276,6 +288,7 @@ def worker_trl(ckpt: str, steps: int) -> dict:
         trainer = Recording(model=ckpt, reward_funcs=frac_the, args=args, train_dataset=dataset,
                             processing_class=tokenizer, callbacks=[StepTimer()])
         load_s = time.perf_counter() - t0
+        progress("loaded", load_s=round(load_s, 2))
         trainer.remove_callback(transformers.PrinterCallback)  # keep stdout for the JSON line
         trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -316,12 +329,30 @@ def _worker_main(args) -> None:
 
 
 def _spawn(side: str, args) -> dict:
-    cmd = ["timeout", str(args.timeout), sys.executable, str(Path(__file__).resolve()), "--worker", side,
-           "--ckpt", args.ckpt, "--steps", str(args.steps)]
+    """One worker in a fresh interpreter, killed after `--timeout` s; its JSON row, or
+    RuntimeError naming the failure (with the worker's last PROGRESS line, if any)."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--ckpt", args.ckpt,
+           "--steps", str(args.steps)]
     for opt in args.jax_option if side == "jax" else ():
         cmd += ["--jax-option", opt]
     t0 = time.perf_counter()
-    row, watch = _common.run_json_worker(cmd, side)
+    with _common.CpuWatch() as watch:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            stdout, stderr, failed = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            stdout, stderr, failed = as_text(e.stdout), as_text(e.stderr), f"timed out after {args.timeout} s"
+    rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    if failed or not rows:
+        marks = [ln[len("PROGRESS "):] for ln in stderr.splitlines() if ln.startswith("PROGRESS ")]
+        errs = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("PROGRESS ")]
+        print(f"[{side}] failed ({failed}):\n" + "\n".join(errs[-40:]), file=sys.stderr)
+        why = failed if isinstance(failed, str) else (errs[-1] if errs else f"exit status {failed}, no output")
+        raise RuntimeError(why + (f"; last progress: {marks[-1]}" if marks else ""))
+    row = json.loads(rows[-1])
     row.update(subprocess_s=time.perf_counter() - t0, cpu_watch_subprocess=watch.result(detail=True))
     return row
 
