@@ -262,9 +262,6 @@ def worker_trl(ckpt: str, steps: int) -> dict:
     step_times = []
 
     class StepTimer(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            marks["train_begin"] = time.perf_counter()
-
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
 
@@ -290,6 +287,7 @@ def worker_trl(ckpt: str, steps: int) -> dict:
         load_s = time.perf_counter() - t0
         progress("loaded", load_s=round(load_s, 2))
         trainer.remove_callback(transformers.PrinterCallback)  # keep stdout for the JSON line
+        marks["train_call"] = time.perf_counter()
         trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
         model = trainer.model
@@ -301,7 +299,7 @@ def worker_trl(ckpt: str, steps: int) -> dict:
         side="trl", options={"gradient_checkpointing": args.gradient_checkpointing}, load_s=load_s,
         first_step_s=step_times[0], later_step_times=later,
         later_step_median_s=statistics.median(later) if later else None,
-        train_to_first_step_s=marks["first_step_end"] - marks["train_begin"],
+        train_to_first_step_s=marks["first_step_end"] - marks["train_call"],
         to_first_step_s=marks["first_step_end"] - T_START, params=params, dtypes=dtypes, ref_dtypes=ref_dtypes,
         optimizer_steps=len(step_times), completion_lengths=sorted(set(lengths)), prompt_ids=[list(p) for p in
                                                                                                seen_prompts],
@@ -388,6 +386,9 @@ def _markdown(r: dict) -> str:
         extra.append(f"jaxrlhf / TRL: first step {jx['first_step_s'] / tr['first_step_s']:.2f}x, peak RSS "
                      f"{jx['peak_rss_gib'] / tr['peak_rss_gib']:.2f}x, process start → first step "
                      f"{jx['to_first_step_s'] / tr['to_first_step_s']:.2f}x")
+    if jx and jx["later_step_median_s"] is not None:
+        extra.append(f"jaxrlhf: tracing + compilation ≈ first − later = "
+                     f"{jx['first_step_s'] - jx['later_step_median_s']:.1f} s")
     if tr:
         extra.append(f"TRL: train() setup + first step {tr['train_to_first_step_s']:.1f} s; {tr['note']}")
     for name, err in r["errors"].items():
