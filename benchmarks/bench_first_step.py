@@ -394,8 +394,9 @@ def _markdown(r: dict) -> str:
     for name, err in r["errors"].items():
         extra.append(f"{name}: not run ({err})")
     extra += [f"check failed: {c}" for c in r["checks"]]
-    extra.append(f"contended: {r['contended']}" + (" (other processes used CPU: timings are not a valid result)"
-                                                   if r["contended"] else ""))
+    if r["contended"] is not None:
+        extra.append(f"contended: {r['contended']}" + (" (other processes used CPU: timings are not a valid "
+                                                       "result)" if r["contended"] else ""))
     return "\n".join(lines + [""] + ["- " + e for e in extra])
 
 
@@ -435,7 +436,7 @@ def main(argv=None):
     result = dict(
         workload=f"first GRPO step, {len(PROMPTS)} chat prompts x {G} x {T_NEW} tokens, beta {BETA}, float32",
         ckpt=args.ckpt, steps=args.steps, results=results, errors=errors, checks=_checks(results),
-        contended=any(r["cpu_watch_subprocess"]["contended"] for r in results.values()),
+        contended=any(r["cpu_watch_subprocess"]["contended"] for r in results.values()) if results else None,
         nproc=os.cpu_count(), python=platform.python_version(), host_allocator_tuned=_common.HOST_ALLOCATOR_TUNED,
         total_s=time.perf_counter() - t_start)
     print(_markdown(result))
