@@ -395,7 +395,7 @@ def _markdown(r: dict) -> str:
     if tr:
         extra.append(f"TRL: train() setup + first step {tr['train_to_first_step_s']:.1f} s; {tr['note']}")
     for name, err in r["errors"].items():
-        extra.append(f"{name}: not run ({err})")
+        extra.append(f"{name}: no result ({err})")
     extra += [f"check failed: {c}" for c in r["checks"]]
     if r["contended"] is not None:
         extra.append(f"contended: {r['contended']}" + (" (other processes used CPU: timings are not a valid "
