@@ -418,7 +418,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
-    parse_options(args.jax_option)  # malformed flags fail here, not in the worker
+    try:
+        parse_options(args.jax_option)  # malformed flags fail here, not in the worker
+    except ValueError as e:
+        ap.error(str(e))
     if args.make_checkpoint:
         if not args.gguf:
             ap.error("--make-checkpoint needs --gguf FILE")
