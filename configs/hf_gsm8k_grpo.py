@@ -26,7 +26,7 @@ def get_config(arg=None):
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.jsonl_task(prompt_key="question", answer_key="answer", max_prompt_tokens=256, max_new_tokens=256,
                              chat_template=True, system_prompt="Reason step by step; end with '#### <answer>'.")
-    c.model = base.model(path="", dtype="bfloat16", param_dtype="float32", remat=True)
+    c.model = base.model(path="", dtype="bfloat16", param_dtype="float32", remat="full")
     c.sft = base.sft(steps=0)
     c.grpo = base.grpo(steps=500, prompts_per_step=32, sampling=dict(max_new_tokens=256, num_samples=8,
                                                                      temperature=1.0),
@@ -35,7 +35,7 @@ def get_config(arg=None):
     c.train = base.train(log_every=1, eval_every=50, checkpoint_every=50, eval_batch_size=64)
     if arg == "tiny":
         c.task.update(max_prompt_tokens=48, max_new_tokens=6, chat_template=False, system_prompt="")
-        c.model.update(dtype="float32", remat=False)
+        c.model.update(dtype="float32", remat="none")
         c.grpo.update(steps=2, prompts_per_step=4, num_minibatches=1)
         c.grpo.sampling.update(max_new_tokens=6, num_samples=2)
         c.train.update(log_every=1, eval_every=2, checkpoint_every=2, progress=False, tensorboard=False,

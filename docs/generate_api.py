@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS.parent))  # document this checkout, not whichever jaxrlhf is installed
 PAGES = {
     "ops.md": ("jaxrlhf.ops", "The RL primitives (`jaxrlhf.ops`)",
                "Pure, jit-able functions over response-aligned `[B, T]` arrays; every one computes in float32 "

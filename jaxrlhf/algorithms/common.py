@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import ops
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.transformer import Transformer, init_cache, project_logits
 
 PyTree = Any
@@ -165,11 +166,53 @@ def response_logprobs(
 def hidden_logprobs(model: Transformer, params, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
                     with_entropy: bool = False):
     """`(logp [B, T], entropy [B, T] or None)` of `targets` from the states that predict
-    them (`response_hidden`), through the LM head."""
-    logits_BxTxV = project_logits(model.config, params, hidden_BxTxD)
+    them (`response_hidden`), through the LM head (`head_logprobs`)."""
+    out = head_logprobs(model.config, params, hidden_BxTxD, targets_BxT, temperature=temperature,
+                        with_entropy=with_entropy)
+    return out.logp, out.entropy
+
+
+# `logprobs_head="auto"` fuses the head from this many logits per pass (B·T·V = 2**26, one
+# float32 copy 256 MiB): below it the plain path's logits are small, and it runs the
+# built-in task's tiny vocabularies exactly as before.
+CHUNKED_HEAD_FROM = 2**26
+
+
+def lm_head_weight(config: ModelConfig, params) -> jax.Array:
+    """The LM head as `w [D, V]` in the compute dtype: `embedding.T` when tied, else the
+    `lm_head` kernel (what `project_logits` multiplies by)."""
+    dt = jnp.dtype(config.dtype)
+    if config.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"].astype(dt).T
+    return params["lm_head"]["kernel"].astype(dt)
+
+
+def uses_chunked_head(config: ModelConfig, rows: int, positions: int) -> bool:
+    """Whether `head_logprobs` fuses the head for `[rows, positions]` targets."""
+    if config.logprobs_head == "auto":
+        return rows * positions * config.vocab_size >= CHUNKED_HEAD_FROM
+    return config.logprobs_head == "chunked"
+
+
+def head_logprobs(config: ModelConfig, params, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
+                  with_entropy: bool = False, with_argmax: bool = False) -> ops.LinearLogprobs:
+    """Log-probs (and entropies, greedy tokens) of `targets` under the LM head applied to
+    `hidden`, by the path `config.logprobs_head` names (`models.config.LOGPROBS_HEADS`).
+
+    "plain": `project_logits` then `ops.token_logprobs` / `ops.entropy` / argmax on the
+    `[B, T, V]` logits; "chunked": `ops.linear_logprobs`, which never holds them (nor
+    their gradient); "auto": chunked from `CHUNKED_HEAD_FROM` logits per call. Both give
+    the same numbers up to float rounding (tests/ops/test_linear_logprobs.py).
+    """
+    b, t = targets_BxT.shape
+    if uses_chunked_head(config, b, t):
+        return ops.linear_logprobs(hidden_BxTxD.astype(config.dtype), lm_head_weight(config, params), targets_BxT,
+                                   temperature=temperature, with_entropy=with_entropy, with_argmax=with_argmax)
+    logits_BxTxV = project_logits(config, params, hidden_BxTxD)
     logp = ops.token_logprobs(logits_BxTxV, targets_BxT, temperature=temperature)
     ent = ops.entropy(logits_BxTxV, temperature=temperature) if with_entropy else None
-    return logp, ent
+    best = jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32) if with_argmax else None
+    return ops.LinearLogprobs(logp, ent, best)
 
 
 def accumulation_scale(mask_BxT: jax.Array, *, mode: str, total_tokens: jax.Array, total_seqs: int) -> jax.Array:

@@ -30,7 +30,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import common
-from jaxrlhf.models.transformer import Transformer, project_logits
+from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.ops._masked import AGGREGATE_MODES
 
 PyTree = Any
@@ -97,11 +97,10 @@ def token_nll(model: Transformer, params, batch: Batch, prompt_len: int = 1):
     """
     tokens_BxL = batch["tokens"]
     hidden_BxTxD, _ = common.response_hidden(model, params, tokens_BxL, batch["input_mask"], prompt_len)
-    logits_BxTxV = project_logits(model.config, params, hidden_BxTxD)
     targets_BxT = tokens_BxL[:, prompt_len:]
-    logp_BxT = ops.token_logprobs(logits_BxTxV, targets_BxT)
-    correct_BxT = jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
-    return -logp_BxT, correct_BxT, batch["loss_mask"][:, prompt_len:].astype(bool)
+    out = common.head_logprobs(model.config, params, hidden_BxTxD, targets_BxT, with_argmax=True)
+    correct_BxT = out.argmax == targets_BxT
+    return -out.logp, correct_BxT, batch["loss_mask"][:, prompt_len:].astype(bool)
 
 
 def loss_fn(params, batch: Batch, *, model: Transformer, cfg: SFTConfig) -> tuple[jax.Array, dict]:

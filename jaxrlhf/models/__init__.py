@@ -9,7 +9,7 @@ from jaxrlhf.models.checkpoint import (
     random_init,
     save_pretrained,
 )
-from jaxrlhf.models.config import ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
+from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.transformer import (
     HEADS,
     KVCache,
@@ -22,12 +22,15 @@ from jaxrlhf.models.transformer import (
     positions_from_mask,
     project_logits,
     score_at_last_token,
+    stack_layers,
+    unstack_layers,
 )
 
 __all__ = [
     "CheckpointError", "encode_prompt", "hf_tensor_map", "load_pretrained", "load_tokenizer",
     "random_init", "save_pretrained",
-    "HEADS", "KVCache", "ModelConfig", "ModelOutput", "RopeScaling", "Transformer",
+    "HEADS", "KVCache", "REMAT_POLICIES", "ModelConfig", "ModelOutput", "RopeScaling", "Transformer",
     "UnsupportedConfigError", "count_params", "from_hf_config", "init_cache", "init_params",
-    "logical_axes", "positions_from_mask", "project_logits", "score_at_last_token", "to_hf_dict",
+    "logical_axes", "positions_from_mask", "project_logits", "score_at_last_token", "stack_layers",
+    "to_hf_dict", "unstack_layers",
 ]

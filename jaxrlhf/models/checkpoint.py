@@ -7,25 +7,11 @@ folder loads in transformers unchanged. Only safetensors are read: pickle files
 (`pytorch_model.bin`, `*.pt`) can execute code when loaded and are refused, and so is any
 config that asks for repository code (`auto_map`).
 
-The HF tensor ↔ parameter mapping (HF `nn.Linear` stores `weight` as `[out, in]`):
-
-| HF tensor | param | conversion |
-|---|---|---|
-| `model.embed_tokens.weight` `[V, D]` | `embed_tokens/embedding` `[V, D]` | as is |
-| `model.layers.i.self_attn.q_proj.weight` `[N*H, D]` | `layers_i/self_attn/q_proj/kernel` `[D, N, H]` | `W.T.reshape` |
-| `...k_proj.weight`, `...v_proj.weight` `[K*H, D]` | `.../k_proj/kernel` `[D, K, H]` | `W.T.reshape` |
-| `...o_proj.weight` `[D, N*H]` | `.../o_proj/kernel` `[N, H, D]` | `W.T.reshape` |
-| `...q_proj.bias` `[N*H]` (k, v: `[K*H]`), `...o_proj.bias` `[D]` | `.../bias` `[N, H]`, `[K, H]`, `[D]` | reshape |
-| `...q_norm.weight`, `...k_norm.weight` `[H]` (Qwen3) | `.../q_norm/scale` | as is |
-| `...input_layernorm.weight`, `...post_attention_layernorm.weight`, `model.norm.weight` | `.../scale` | as is |
-| `...mlp.{gate,up}_proj.weight` `[F, D]`, `...mlp.down_proj.weight` `[D, F]` | `.../kernel` `[D, F]`, `[F, D]` | `W.T` |
-| `lm_head.weight` `[V, D]` (absent when tied) | `lm_head/kernel` `[D, V]` | `W.T` |
-| `score.weight` `[1, D]` (`*ForSequenceClassification`) | `score/kernel` `[D, 1]` | `W.T` |
+The HF tensor ↔ parameter mapping is in `jaxrlhf.models.hf_layout`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import logging
@@ -33,6 +19,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from contextlib import ExitStack
 from typing import Any, Mapping
 
 import jax
@@ -40,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models.config import RUNTIME_FIELDS, ModelConfig, UnsupportedConfigError, from_hf_config, to_hf_dict
-from jaxrlhf.models.transformer import HEADS, Transformer
+from jaxrlhf.models.hf_layout import (  # noqa: F401  (_trunk_tensors, _head_tensors: used by tests)
+    _get, _head_tensors, _LayerOf, _param_of, _params_of, _set, _Tensor, _trunk_tensors, hf_tensor_map)
+from jaxrlhf.models.transformer import HEADS, Transformer, stack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -56,108 +45,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, unsafe, or does not match its config."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One HF tensor and the parameter it becomes.
-
-    `in_axes`: for a Linear weight, how many leading axes of our kernel are the input
-    (q: `[D | N, H]` → 1, o: `[N, H | D]` → 2); None for tensors copied by reshape only.
-    """
-
-    hf_name: str
-    path: tuple[str, ...]
-    shape: tuple[int, ...]  # ours
-    in_axes: int | None = None
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        if self.in_axes is None:
-            return (int(np.prod(self.shape)),) if self.path[-1] == "bias" else self.shape
-        return (int(np.prod(self.shape[self.in_axes:])), int(np.prod(self.shape[:self.in_axes])))
-
-    def from_hf(self, w: np.ndarray) -> np.ndarray:
-        if self.in_axes is None:
-            return w.reshape(self.shape)
-        return np.ascontiguousarray(w.T).reshape(self.shape)
-
-    def read_block(self, hf_slice, index: tuple[slice, ...]) -> np.ndarray:
-        """`from_hf(whole)[index]`, reading only the rows/columns of the HF tensor it needs.
-
-        `hf_slice` is a safetensors `get_slice(name)` (anything indexable by a tuple of
-        slices). Each HF axis merges a group of our axes (a Linear weight `[out, in]` is
-        `[our trailing axes, our leading axes]`); the slice of a group's first axis maps to
-        one contiguous HF range, the slices of its other axes are applied after the read.
-        """
-        nd = len(self.shape)
-        index = tuple(index) + (slice(None),) * (nd - len(index))
-        bounds = [sl.indices(n)[:2] for sl, n in zip(index, self.shape)]
-        if self.in_axes is None:
-            groups = [list(range(nd))] if len(self.hf_shape) == 1 and nd > 1 else [[i] for i in range(nd)]
-        else:
-            groups = [list(range(self.in_axes, nd)), list(range(self.in_axes))]
-        hf_index, block_shape = [], []
-        for g in groups:
-            trail = int(np.prod([self.shape[i] for i in g[1:]]))
-            start, stop = bounds[g[0]]
-            hf_index.append(slice(start * trail, stop * trail))
-            block_shape += [stop - start] + [self.shape[i] for i in g[1:]]
-        block = np.asarray(hf_slice[tuple(hf_index)]).reshape(block_shape)
-        order = [i for g in groups for i in g]
-        block = block.transpose(np.argsort(order))
-        leads = {g[0] for g in groups}
-        rest = tuple(slice(None) if i in leads else slice(*bounds[i]) for i in range(nd))
-        return np.ascontiguousarray(block[rest])
-
-    def to_hf(self, p: np.ndarray) -> np.ndarray:
-        if self.in_axes is None:
-            return np.ascontiguousarray(p.reshape(self.hf_shape))
-        n_in = int(np.prod(self.shape[:self.in_axes]))
-        return np.ascontiguousarray(p.reshape(n_in, -1).T)
-
-
-def _trunk_tensors(c: ModelConfig) -> list[_Tensor]:
-    d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    out = [_Tensor("model.embed_tokens.weight", ("embed_tokens", "embedding"), (c.vocab_size, d))]
-    for i in range(c.num_layers):
-        hf, us = f"model.layers.{i}.", f"layers_{i}"
-        attn = [("q_proj", (d, n, h), 1, (n, h) if c.qkv_bias else None),
-                ("k_proj", (d, k, h), 1, (k, h) if c.qkv_bias else None),
-                ("v_proj", (d, k, h), 1, (k, h) if c.qkv_bias else None),
-                ("o_proj", (n, h, d), 2, (d,) if c.o_bias else None)]
-        for name, shape, in_axes, bias in attn:
-            out.append(_Tensor(f"{hf}self_attn.{name}.weight", (us, "self_attn", name, "kernel"), shape, in_axes))
-            if bias is not None:
-                out.append(_Tensor(f"{hf}self_attn.{name}.bias", (us, "self_attn", name, "bias"), bias))
-        if c.qk_norm:
-            for name in ("q_norm", "k_norm"):
-                out.append(_Tensor(f"{hf}self_attn.{name}.weight", (us, "self_attn", name, "scale"), (h,)))
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            out.append(_Tensor(f"{hf}{name}.weight", (us, name, "scale"), (d,)))
-        for name, shape in (("gate_proj", (d, f)), ("up_proj", (d, f)), ("down_proj", (f, d))):
-            out.append(_Tensor(f"{hf}mlp.{name}.weight", (us, "mlp", name, "kernel"), shape, 1))
-            if c.mlp_bias:
-                out.append(_Tensor(f"{hf}mlp.{name}.bias", (us, "mlp", name, "bias"), shape[-1:]))
-    out.append(_Tensor("model.norm.weight", ("norm", "scale"), (d,)))
-    return out
-
-
-def _head_tensors(c: ModelConfig, head: str) -> list[_Tensor]:
-    """The head's parameters; `value_head` has no HF counterpart (its name is a placeholder)."""
-    d = c.hidden_size
-    lm = [] if c.tie_word_embeddings else [_Tensor("lm_head.weight", ("lm_head", "kernel"), (d, c.vocab_size), 1)]
-    if head == "lm":
-        return lm
-    if head == "score":
-        return [_Tensor("score.weight", ("score", "kernel"), (d, 1), 1)]
-    return lm + [_Tensor("value_head.weight", ("value_head", "kernel"), (d, 1), 1)]
-
-
-def hf_tensor_map(config: ModelConfig, head: str = "lm") -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
-    """HF tensor name → (param path, HF shape) for a model with `head` (no `value_head`)."""
-    tensors = _trunk_tensors(config) + _head_tensors(config, head)
-    return {t.hf_name: (t.path, t.hf_shape) for t in tensors if t.path[0] != "value_head"}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -231,18 +118,6 @@ def _ignorable(name: str) -> bool:
     return name.endswith(_IGNORABLE_SUFFIXES)
 
 
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _get(tree: Mapping, path: tuple[str, ...]):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 def load_pretrained(
     path: str | os.PathLike,
     *,
@@ -266,7 +141,8 @@ def load_pretrained(
         N(0, 0.02) with `seed`, and a checkpoint head the model does not use is dropped;
         both are logged as warnings.
       options: the `ModelConfig` fields a checkpoint does not store (`RUNTIME_FIELDS`:
-        `remat`, `attention`, `cache_dtype`, ...); anything else is refused.
+        `remat`, `attention`, `cache_dtype`, `scan_layers`); anything else is refused. With
+        `scan_layers=True` the layers come stacked (`layers/...` `[n, ...]`).
       seed: seeds the freshly initialised head parameters, if any.
       shardings: optional pytree like the params of `jax.sharding.Sharding`s, or a function
         `Transformer -> pytree` (e.g. `lambda m: parallel.param_shardings(m, mesh, rules)`).
@@ -334,29 +210,26 @@ def load_pretrained(
     place = (lambda x, t: jax.device_put(x, _get(shardings, t.path))) if shardings is not None else (
         lambda x, t: jax.device_put(x))
     params: dict = {}
-    by_file: dict[str, list[_Tensor]] = {}
-    for t in to_read:
-        by_file.setdefault(weight_map[t.hf_name], []).append(t)
     from safetensors import safe_open
-    for fname, tensors in sorted(by_file.items()):
-        fpath = os.path.join(path, fname)
-        with safe_open(fpath, framework="numpy") as f:
-            present = set(f.keys())
-            for t in tensors:
-                if t.hf_name not in present:
-                    raise CheckpointError(f"{fname}: tensor {t.hf_name!r} is listed in {SAFE_INDEX} but "
-                                          "not stored in the file")
-                shape = tuple(f.get_slice(t.hf_name).get_shape())
-                if shape != t.hf_shape:
-                    raise CheckpointError(f"{fname}: tensor {t.hf_name!r} has shape {shape}, expected "
-                                          f"{t.hf_shape}")
-                if shardings is not None:
-                    hf_slice = f.get_slice(t.hf_name)
-                    read = lambda index, t=t, hf_slice=hf_slice: t.read_block(hf_slice, index).astype(target)
-                    _set(params, t.path, jax.make_array_from_callback(t.shape, _get(shardings, t.path), read))
-                    continue
-                w = f.get_tensor(t.hf_name)
-                _set(params, t.path, place(t.from_hf(w).astype(target), t))
+    with ExitStack() as stack:
+        handles = {fname: stack.enter_context(safe_open(os.path.join(path, fname), framework="numpy"))
+                   for fname in sorted({weight_map[t.hf_name] for t in to_read})}
+        for t in to_read:
+            fname = weight_map[t.hf_name]
+            if t.hf_name not in handles[fname].keys():
+                raise CheckpointError(f"{fname}: tensor {t.hf_name!r} is listed in {SAFE_INDEX} but "
+                                      "not stored in the file")
+            shape = tuple(handles[fname].get_slice(t.hf_name).get_shape())
+            if shape != t.hf_shape:
+                raise CheckpointError(f"{fname}: tensor {t.hf_name!r} has shape {shape}, expected "
+                                      f"{t.hf_shape}")
+        files = {t.hf_name: handles[weight_map[t.hf_name]] for t in to_read}
+        for param in _params_of(config, to_read):
+            if shardings is not None:
+                read = lambda index, param=param: param.read(files, index).astype(target)
+                _set(params, param.path, jax.make_array_from_callback(param.shape, _get(shardings, param.path), read))
+            else:
+                _set(params, param.path, jax.device_put(param.read(files).astype(target)))
     if tied_lm_head:
         _check_tied(path, weight_map)
     rng = jax.random.key(seed)
@@ -409,7 +282,8 @@ def _write_shard(shard, fname: str) -> None:
     """Gathers one shard's tensors to host memory (only that shard's) and writes them."""
     from safetensors.numpy import save_file
 
-    save_file({t.hf_name: t.to_hf(np.asarray(jax.device_get(p))) for t, p in shard}, fname,
+    value = lambda p: p.get() if isinstance(p, _LayerOf) else p
+    save_file({t.hf_name: t.to_hf(np.asarray(jax.device_get(value(p)))) for t, p in shard}, fname,
               metadata={"format": "pt"})
 
 
@@ -450,10 +324,7 @@ def save_pretrained(
         logger.info("save_pretrained: head 'lm_value' is saved as a causal LM; the value head is dropped")
     tensors = []
     for t in _trunk_tensors(config) + _head_tensors(config, head):
-        try:
-            p = _get(params, t.path)
-        except KeyError:
-            raise KeyError(f"params lack {'/'.join(t.path)} (HF tensor {t.hf_name!r})") from None
+        p = _param_of(params, t, config)
         if tuple(p.shape) != t.shape:
             raise ValueError(f"params {'/'.join(t.path)} has shape {tuple(p.shape)}, expected {t.shape}")
         tensors.append((t, p))
@@ -506,7 +377,8 @@ def random_init(config: ModelConfig, *, head: str = "lm", seed: int = 0) -> tupl
     N(0, 0.02), norm scales one, biases zero.
 
     The same pytree as `init_params`, drawn with numpy tensor by tensor, without running
-    (or compiling) a forward pass.
+    (or compiling) a forward pass. A scanned config gets the same values, stacked
+    (`stack_layers`).
     """
     if head not in HEADS:
         raise ValueError(f"head={head!r}; expected one of {HEADS}")
@@ -521,7 +393,9 @@ def random_init(config: ModelConfig, *, head: str = "lm", seed: int = 0) -> tupl
             w = np.zeros(t.shape, np.float32)
         else:
             w = 0.02 * rng.standard_normal(t.shape, np.float32)
-        _set(params, t.path, jnp.asarray(w, dtype))
+        _set(params, t.path, w if config.scan_layers else jnp.asarray(w, dtype))
+    if config.scan_layers:
+        params = jax.tree.map(lambda w: jnp.asarray(w, dtype), stack_layers(params))
     return Transformer(config, head), params
 
 

@@ -26,7 +26,20 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
 # How the model runs, not what it is: set by the user, never read from or written to a
 # checkpoint's config.json (`load_pretrained(path, **options)`, `config.model.<field>`).
-RUNTIME_FIELDS = ("remat", "attention", "cache_dtype")
+RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "scan_layers", "logprobs_head")
+# `ModelConfig.remat`: what each decoder layer keeps for the backward pass.
+#   "none": everything (no rematerialisation);
+#   "full": only its input (`jax.checkpoint`, nothing saveable): the layer is recomputed;
+#   "dots": the outputs of its weight matmuls (`dots_with_no_batch_dims_saveable`);
+#     the attention scores and the elementwise ops are recomputed;
+#   "offload": those matmul outputs, moved to pinned host memory
+#     (`offload_dot_with_no_batch_dims("device", "pinned_host")`).
+# The booleans of earlier versions are accepted: True -> "full", False -> "none".
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+# How the trainer's log-probs meet the LM head (`jaxrlhf.algorithms.common.head_logprobs`):
+# "plain" projects the [B, T, V] logits, "chunked" fuses the head into `ops.linear_logprobs`
+# (no [B, T, V] array), "auto" picks by size.
+LOGPROBS_HEADS = ("auto", "plain", "chunked")
 
 
 class UnsupportedConfigError(ValueError):
@@ -52,6 +65,13 @@ class ModelConfig:
     `cache_dtype` the sampler's KV cache dtype (default: `dtype`; bf16 with float32 params
     halves the cache); RMSNorm, softmax and rotary angles are always computed in float32.
     `attention` picks the attention implementation (`jaxrlhf.models.attention`).
+    `remat` names a rematerialisation policy of each layer (`REMAT_POLICIES`; True/False
+    read as "full"/"none"). `scan_layers` runs the layer stack as one `jax.lax.scan` over
+    parameters stacked on a leading `[num_layers]` axis (the subtree `layers`, logical
+    axis "layers"), so compile time does not grow with depth; False (the default) unrolls
+    `layers_0 .. layers_{n-1}`, which decodes faster on CPU.
+    `logprobs_head` how training and scoring passes take log-probs from the LM head
+    (`LOGPROBS_HEADS`).
     """
 
     vocab_size: int
@@ -76,11 +96,20 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"  # a name in REMAT_POLICIES (True/False accepted: "full"/"none")
+    scan_layers: bool = False
     attention: str = "auto"  # a name in `jaxrlhf.models.attention.IMPLEMENTATIONS`
     cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
+    logprobs_head: str = "auto"  # a name in LOGPROBS_HEADS
 
     def __post_init__(self):
+        if isinstance(self.remat, (bool, np.bool_)):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; expected one of {list(REMAT_POLICIES)} "
+                             "(or True/False for 'full'/'none')")
+        if not isinstance(self.scan_layers, (bool, np.bool_)):
+            raise ValueError(f"scan_layers={self.scan_layers!r}; expected True or False")
         if self.model_type not in _FAMILIES:
             raise UnsupportedConfigError(
                 f"model_type={self.model_type!r} is not supported; expected one of "
@@ -99,6 +128,8 @@ class ModelConfig:
             )
         if self.attention not in IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}; expected one of {list(IMPLEMENTATIONS)}")
+        if self.logprobs_head not in LOGPROBS_HEADS:
+            raise ValueError(f"logprobs_head={self.logprobs_head!r}; expected one of {list(LOGPROBS_HEADS)}")
         for name in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")

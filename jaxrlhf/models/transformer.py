@@ -6,6 +6,9 @@ the Llama / Qwen2 / Qwen3 families, which differ only in switches of `ModelConfi
 Parameters are a plain pytree whose names mirror the Hugging Face checkpoint (`layers_3`
 ↔ `model.layers.3`), and every parameter carries logical axis names (`vocab`, `embed`,
 `q_heads`, `kv_heads`, `head_dim`, `mlp`, `norm`) that sharding rules map onto a mesh.
+With `config.scan_layers` the layers are one subtree `layers` whose leaves are stacked on a
+leading `[num_layers]` axis named "layers", and the stack runs as one `jax.lax.scan`
+(`stack_layers` / `unstack_layers` convert between the two layouts).
 
 One `__call__` serves both the full forward (training, scoring) and incremental decoding
 with a static-shape KV cache (sampling): the cache holds `S` slots, new tokens are written
@@ -14,6 +17,7 @@ at `cache_index`, and `attention_mask` then covers all `S` slots.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple, Sequence
 
 import flax.linen as nn
@@ -23,7 +27,7 @@ import numpy as np
 
 from jaxrlhf.models import attention
 from jaxrlhf.models.attention import AttentionMask
-from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig
 
 HEADS = ("lm", "score", "lm_value")
 
@@ -32,6 +36,11 @@ _init = nn.initializers.normal(stddev=0.02)
 
 class KVCache(NamedTuple):
     """One layer's cache: keys (after RoPE) `[B, K, H, S]` and values `[B, K, S, H]`.
+
+    A scanned stack (`config.scan_layers`) keeps one `KVCache` for all layers, with the
+    layer axis second: keys `[B, n, K, H, S]`, values `[B, n, K, S, H]`. Batch stays the
+    leading axis of every cache leaf in both layouts, so `jax.tree.map` over rows
+    (repeating a prompt's cache for its samples) works on either.
 
     Both are laid out so that their attention matmul contracts a non-minor axis of the
     cache (`q·k` over H, `p·v` over S): a minor-axis contraction made XLA:CPU repack the
@@ -49,16 +58,57 @@ class ModelOutput(NamedTuple):
     logits: jax.Array | None
     values: jax.Array | None
     hidden: jax.Array
-    cache: tuple[KVCache, ...] | None
+    cache: tuple[KVCache, ...] | KVCache | None
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple[KVCache, ...] | KVCache:
     """An empty cache of `max_len` slots for each layer, in `dtype` (default: the config's
-    `cache_dtype`, else its compute dtype)."""
+    `cache_dtype`, else its compute dtype): a tuple of per-layer `KVCache`s, or with
+    `config.scan_layers` one `KVCache` whose leaves hold all layers on axis 1."""
     dtype = jnp.dtype(dtype or config.cache_dtype or config.dtype)
-    b, k, s, h = batch_size, config.num_kv_heads, max_len, config.head_dim
+    b, n, k, s, h = batch_size, config.num_layers, config.num_kv_heads, max_len, config.head_dim
+    if config.scan_layers:
+        return KVCache(jnp.zeros((b, n, k, h, s), dtype), jnp.zeros((b, n, k, s, h), dtype))
     return tuple(KVCache(jnp.zeros((b, k, h, s), dtype), jnp.zeros((b, k, s, h), dtype))
-                 for _ in range(config.num_layers))
+                 for _ in range(n))
+
+
+def _cache_slots(config: ModelConfig, cache) -> int:
+    """S, the slot count of a cache in the layout the config expects (else a ValueError)."""
+    n = config.num_layers
+    if config.scan_layers:
+        if not isinstance(cache, KVCache) or cache.v.ndim != 5 or cache.v.shape[1] != n:
+            raise ValueError(f"a scanned stack (scan_layers=True) takes one KVCache of [B, {n}, K, ., .] "
+                             "arrays from init_cache; got " + str(jax.tree.map(jnp.shape, cache)))
+        return cache.v.shape[3]
+    if isinstance(cache, KVCache) or len(cache) != n:
+        raise ValueError(f"cache has {1 if isinstance(cache, KVCache) else len(cache)} layers, the model {n} "
+                         "(an unrolled stack takes a tuple of per-layer KVCaches from init_cache)")
+    return cache[0].v.shape[2]
+
+
+def remat_policy(config: ModelConfig):
+    """The `jax.checkpoint` policy that `config.remat` names (not for "none": no checkpoint).
+
+    "full" → None (save nothing but the layer's input), "dots" → save the outputs of matmuls
+    without batch dimensions (every projection: `Projection` flattens its rows into one 2-D
+    matmul; the attention einsums are batched, so their scores are recomputed), "offload" →
+    the same values moved to pinned host memory, which the backend must have.
+    """
+    if config.remat == "full":
+        return None
+    if config.remat == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if config.remat == "offload":
+        try:
+            kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        except Exception:  # a backend without memory spaces
+            kinds = set()
+        if "pinned_host" not in kinds:
+            raise ValueError(f"remat='offload' needs 'pinned_host' memory, which the {jax.default_backend()} "
+                             f"backend lacks (it has {sorted(kinds)}); choose remat='dots' or 'full'")
+        return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    raise ValueError(f"remat={config.remat!r} has no checkpoint policy; expected one of {list(REMAT_POLICIES[1:])}")
 
 
 def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
@@ -270,9 +320,7 @@ class Transformer(nn.Module):
         else:
             if cache_index is None:
                 raise ValueError("cache_index is required when a cache is given")
-            if len(cache) != c.num_layers:
-                raise ValueError(f"cache has {len(cache)} layers, the model {c.num_layers}")
-            s = cache[0].v.shape[2]
+            s = _cache_slots(c, cache)
             mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
             if mask.shape != (b, s):
                 raise ValueError(f"with a cache, attention_mask must cover all cache slots: "
@@ -293,14 +341,21 @@ class Transformer(nn.Module):
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")),
                          name="embed_tokens")
         x = embed(input_ids_BxL)
-        # `queries` (argument 7, counting self) is a Python int or None that shapes the layer.
-        layer_cls = nn.remat(DecoderLayer, static_argnums=(7,)) if c.remat else DecoderLayer
-        new_cache = []
-        for i in range(c.num_layers):
-            queries = 1 if last_position_only and i == c.num_layers - 1 else None
-            x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, attn_mask,
-                                                      None if cache is None else cache[i], cache_index, queries)
-            new_cache.append(kv)
+        if c.scan_layers:
+            layers = self.param("layers", _init_stacked_layers, c)
+            x, new_cache = scan_layers(c, layers, x, cos, sin, attn_mask, cache, cache_index,
+                                       last_position_only=last_position_only)
+        else:
+            # `queries` (argument 7, counting self) is a Python int or None that shapes the layer.
+            layer_cls = DecoderLayer if c.remat == "none" else nn.remat(
+                DecoderLayer, static_argnums=(7,), policy=remat_policy(c))
+            new_cache = []
+            for i in range(c.num_layers):
+                queries = 1 if last_position_only and i == c.num_layers - 1 else None
+                x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, attn_mask,
+                                                          None if cache is None else cache[i], cache_index, queries)
+                new_cache.append(kv)
+            new_cache = None if cache is None else tuple(new_cache)
         hidden = RMSNorm(c.rms_norm_eps, dt, pdt, name="norm")(x)
 
         logits = values = None
@@ -314,7 +369,7 @@ class Transformer(nn.Module):
                             name="score")(hidden)[..., 0].astype(jnp.float32)
         if self.head in ("lm", "lm_value") and not compute_logits and self.is_initializing():
             self.lm_logits(hidden, embed)  # create the LM head's params anyway
-        return ModelOutput(logits, values, hidden, None if cache is None else tuple(new_cache))
+        return ModelOutput(logits, values, hidden, new_cache)
 
     def lm_logits(self, hidden_BxLxD, embed: nn.Embed):
         c = self.config
@@ -323,6 +378,103 @@ class Transformer(nn.Module):
             return _rows_matmul(hidden_BxLxD.astype(dt), embed.embedding.astype(dt).T)
         return Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None,
                       jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name="lm_head")(hidden_BxLxD)
+
+
+def _init_stacked_layers(rng: jax.Array, config: ModelConfig):
+    """`num_layers` draws of a `DecoderLayer`'s params (one key each), stacked on a leading
+    axis whose logical name "layers" is prepended to every parameter's names."""
+    c = config
+    x = jnp.zeros((1, 1, c.hidden_size), jnp.dtype(c.dtype))
+    angle = jnp.zeros((1, 1, c.head_dim), jnp.dtype(c.dtype))
+    mask = AttentionMask(jnp.ones((1, 1), bool), jnp.zeros((1,), jnp.int32))
+    init_one = lambda key: DecoderLayer(c).init(key, x, angle, angle, mask, None, 0)["params"]
+    boxed = jax.vmap(init_one)(jax.random.split(rng, c.num_layers))
+    return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), boxed,
+                        is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+
+
+_LAYOUT_OPS = ("reshape", "broadcast_in_dim", "transpose", "convert_element_type", "squeeze", "expand_dims")
+
+
+def _save_all_but_layout(prim, *_, **__) -> bool:
+    """A `jax.checkpoint` policy: save every value but the outputs of layout ops."""
+    return prim.name not in _LAYOUT_OPS
+
+
+def scan_layers(config: ModelConfig, layers, x_BxLxD, cos, sin, mask: AttentionMask, cache: KVCache | None,
+                cache_index, *, last_position_only: bool = False):
+    """The decoder stack as one `jax.lax.scan` over stacked layer params: `(x, cache)`.
+
+    Step i applies `DecoderLayer` with params `layers[i]` (every leaf `[n, ...]`) to the
+    carried `x`; the cache (`[B, n, ...]` leaves, see `KVCache`) is carried whole, and step
+    i reads its layer's slice `cache[:, i]` and writes it back updated, in place. The body is
+    compiled once, whatever `num_layers`. The body is a `jax.checkpoint` under the policy of
+    `config.remat`, so the backward pass keeps (stacked over layers) only what it saves.
+    Under "none" that is every value but the outputs of layout ops (reshapes, transposes,
+    broadcasts, casts), which are recomputed: saved, the q/k/v/o kernels reshaped to 2-D
+    would be a second copy of the stacked weights (SmolLM2-135M shape, 8 layers: XLA temp
+    412 -> 357 MiB).
+
+    `last_position_only`: step n-1 takes the other branch of a `lax.cond`, which runs the
+    layer with `queries=1` and writes its output at the last position of the carry, so the
+    last layer skips all but one position's attention and MLP without slicing (copying)
+    the stacked params; the returned `x` is then `[B, 1, D]`.
+    """
+    c = config
+    n = c.num_layers
+
+    def layer(p, x, kv, queries):
+        return DecoderLayer(c).apply({"params": p}, x, cos, sin, mask, kv, cache_index, queries)
+
+    policy = _save_all_but_layout if c.remat == "none" else remat_policy(c)
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False, static_argnums=(3,))
+    layer_of = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, axis=1, keepdims=False)
+
+    def body(carry, xs):
+        x, stacked = carry
+        p, i = xs
+        kv = None if stacked is None else jax.tree.map(lambda a: layer_of(a, i), stacked)
+        if last_position_only:
+            def last():
+                y, kv_new = layer(p, x, kv, 1)
+                return x.at[:, -1:].set(y), kv_new
+            x, kv = jax.lax.cond(i == n - 1, last, lambda: layer(p, x, kv, None))
+        else:
+            x, kv = layer(p, x, kv, None)
+        if stacked is not None:
+            stacked = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u, i, axis=1), stacked, kv)
+        return (x, stacked), None
+
+    (x, cache), _ = jax.lax.scan(body, (x_BxLxD, cache), (layers, jnp.arange(n, dtype=jnp.int32)))
+    return (x[:, -1:] if last_position_only else x), cache
+
+
+_LAYER_KEY = re.compile(r"layers_(\d+)")
+
+
+def stack_layers(params):
+    """Unrolled params (`layers_0 .. layers_{n-1}`) → the scanned layout: one `layers`
+    subtree whose leaves are the layers' stacked on a new leading axis. Other entries (the
+    embedding, final norm, heads) are kept. Works on any pytree shaped like the params
+    (gradients, numpy or jax leaves)."""
+    index = {int(m.group(1)): k for k in params if (m := _LAYER_KEY.fullmatch(k))}
+    if not index or sorted(index) != list(range(len(index))):
+        raise ValueError(f"expected layers_0 .. layers_{{n-1}} in the params, got {sorted(params)}")
+    stack = lambda *xs: np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+    out = {k: v for k, v in params.items() if k not in index.values()}
+    out["layers"] = jax.tree.map(stack, *[params[index[i]] for i in range(len(index))])
+    return out
+
+
+def unstack_layers(params):
+    """The scanned layout (`layers`, leaves `[n, ...]`) → unrolled `layers_0 .. layers_{n-1}`."""
+    if "layers" not in params:
+        raise ValueError(f"expected a stacked `layers` subtree in the params, got {sorted(params)}")
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(n):
+        out[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
+    return out
 
 
 def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.Array:

@@ -3,11 +3,14 @@
 Shapes: `B` sequences, `T` response length (right-padded), `V` vocabulary, `N = prompts·G`
 grouped sequences. `mask` `[B, T]` (bool or float) is 1 on real response tokens, a
 contiguous prefix; padding never changes a result. Every function computes in float32
-whatever its input dtype. The formulas are fixed by the project's SPEC (§1–5), and the
-names, order and defaults of the SPEC §8 arguments are kept; arguments beyond SPEC (gae's
-`method`, entropy's `chunk_size`) are keyword-only.
+whatever its input dtype (`linear_logprobs` runs its matmul in the inputs' dtype). The
+formulas are fixed by the project's SPEC (§1–5), and the names, order and defaults of the
+SPEC §8 arguments are kept; arguments beyond SPEC (gae's `method`, entropy's `chunk_size`)
+are keyword-only. `linear_logprobs` is SPEC §2's log-prob and entropy with the LM head
+fused in, for vocabularies too large for `[B, T, V]`.
 
     logp = ops.token_logprobs(ops.shift_logits_for_response(logits, P), response)
+    logp = ops.linear_logprobs(hidden, w_head, response).logp   # same, no [B, T, V] logits
     rewards = ops.shape_rewards(scores, ops.kl(logp, ref_logp, estimator="k1"), mask, beta)
     adv, ret = ops.gae(rewards, values, mask)
     loss, metrics = ops.policy_loss(logp, old_logp, ops.whiten(adv, mask), mask)
@@ -21,6 +24,7 @@ from jaxrlhf.ops._advantages import (
     whiten,
 )
 from jaxrlhf.ops._kl import approx_kl, kl, shape_rewards
+from jaxrlhf.ops._linear_logprobs import LinearLogprobs, linear_logprobs
 from jaxrlhf.ops._logprobs import (
     entropy,
     sequence_logprobs,
@@ -36,6 +40,8 @@ __all__ = [
     "entropy",
     "sequence_logprobs",
     "shift_logits_for_response",
+    "LinearLogprobs",
+    "linear_logprobs",
     # KL (SPEC §3)
     "kl",
     "approx_kl",

@@ -1,7 +1,8 @@
 """Logical-axis sharding rules: parameters, optimizer state, batch, activations, KV cache.
 
 Every parameter of `Transformer` names its axes (`vocab`, `embed`, `q_heads`, `kv_heads`,
-`head_dim`, `mlp`, `norm`; `None` for the 1-wide score/value head axis). A *rule set* is an
+`head_dim`, `mlp`, `norm`; `None` for the 1-wide score/value head axis; `layers` for the
+leading axis of a scanned stack's parameters and KV cache). A *rule set* is an
 ordered tuple of `(logical name, mesh axes)` pairs; the first pair naming an axis wins, and
 its mesh axes are `None` (replicated), one mesh axis name, or a tuple of them:
 
@@ -9,7 +10,8 @@ its mesh axes are `None` (replicated), one mesh axis name, or a tuple of them:
                      ("embed", "fsdp"),             # FSDP: parameters split on the model dim
                      ("vocab", "tensor"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
                      ("mlp", "tensor"),             # Megatron-style tensor parallelism
-                     ("head_dim", None), ("norm", None), ...)
+                     ("head_dim", None), ("norm", None),
+                     ("layers", None))             # a scanned stack: each device all layers
 
 A logical axis with no rule is an error naming the parameter and the axis; nothing is
 replicated silently. A dimension that its mesh axes do not divide is an error too, unless
@@ -57,6 +59,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),
 )
 """FSDP on the model dimension + tensor parallelism on heads / MLP / vocabulary."""
 
@@ -71,6 +74,7 @@ FSDP_RULES: Rules = (
     ("mlp", None),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),
 )
 """Pure ZeRO-3-style sharding: every device holds a slice of the model dimension."""
 
@@ -85,6 +89,7 @@ REPLICATED_RULES: Rules = (
     ("mlp", None),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),
 )
 """Data parallelism only: a full copy of the parameters on every device."""
 
@@ -452,15 +457,19 @@ def constrain_batch(batch: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
 
 def cache_shardings(cache: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
     """Shardings of a KV cache (per layer `KVCache(k [B, K, H, S], v [B, K, S, H])`; bare
-    4-D leaves are read as `[B, K, S, H]`): batch over the `batch` rule's axes and kv heads
-    over the `kv_heads` rule's axes, each only when it divides (otherwise that dimension is
-    replicated: e.g. 1 kv head under tensor=2)."""
+    4-D leaves are read as `[B, K, S, H]`; a scanned stack's one `KVCache` has 5-D leaves
+    with the `layers` axis second, `[B, n, K, ., .]`): batch over the `batch` rule's axes
+    and kv heads over the `kv_heads` rule's axes, each only when it divides (otherwise that
+    dimension is replicated: e.g. 1 kv head under tensor=2)."""
     def one(path, x):
-        if np.ndim(x) != 4:
-            raise ValueError(f"KV cache leaves must be 4-D [B, K, ., .], got shape {np.shape(x)}")
+        if np.ndim(x) not in (4, 5):
+            raise ValueError(f"KV cache leaves must be 4-D [B, K, ., .] (or 5-D [B, layers, K, ., .] for a "
+                             f"scanned stack), got shape {np.shape(x)}")
         is_key = bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "k"
         names = (("batch", "kv_heads", "head_dim", "cache_length") if is_key
                  else ("batch", "kv_heads", "cache_length", "head_dim"))
+        if np.ndim(x) == 5:
+            names = names[:1] + ("layers",) + names[1:]
         spec = logical_to_spec(names, np.shape(x), mesh, rules, where="KV cache", on_indivisible="replicate")
         return NamedSharding(mesh, spec)
     return jax.tree_util.tree_map_with_path(one, cache)

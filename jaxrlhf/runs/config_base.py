@@ -42,7 +42,8 @@ def model(**kw) -> mlc.ConfigDict:
     return mlc.ConfigDict(dict(dict(
         path="", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32,
         max_position_embeddings=64, tie_word_embeddings=False, dtype="float32", param_dtype="float32",
-        remat=False, attention="auto", cache_dtype=mlc.config_dict.placeholder(str)), **kw))
+        remat="none", scan_layers=False, attention="auto", cache_dtype=mlc.config_dict.placeholder(str),
+        logprobs_head="auto"), **kw))
 
 
 def optim(**kw) -> mlc.ConfigDict:

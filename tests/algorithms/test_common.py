@@ -111,3 +111,42 @@ def test_shared_prompt_forward_equals_the_full_forward():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="do not split into groups of group_size=5"):
         common.response_logprobs(model, PARAMS, seq, attn, 4, group_size=5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_head_equals_plain_head(tied):
+    """`logprobs_head="chunked"` (ops.linear_logprobs on `lm_head_weight`) gives the plain
+    path's log-probs, entropies, greedy tokens and parameter gradients, tied or untied."""
+    cfg = CFG.replace(tie_word_embeddings=tied)
+    params = init_params(Transformer(cfg), jax.random.key(1))
+    rng = np.random.default_rng(4)
+    hidden = jnp.asarray(rng.standard_normal((3, 7, CFG.hidden_size)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 7)))
+
+    def loss(params, head):
+        out = common.head_logprobs(cfg.replace(logprobs_head=head), params, hidden, targets, temperature=0.7,
+                                   with_entropy=True, with_argmax=True)
+        return jnp.sum(out.logp * jnp.arange(7.0)) + jnp.sum(out.entropy), out
+
+    grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, plain), g_plain = grad_fn(params, "plain")
+    (_, chunked), g_chunked = grad_fn(params, "chunked")
+    np.testing.assert_allclose(chunked.logp, plain.logp, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(chunked.entropy, plain.entropy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(chunked.argmax, plain.argmax)
+    head = ("embed_tokens", "embedding") if tied else ("lm_head", "kernel")
+    assert np.any(g_plain[head[0]][head[1]] != 0)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_chunked)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
+def test_auto_head_picks_by_size():
+    # B·T·V against CHUNKED_HEAD_FROM = 2**26: V = 151,936 at B·T = 442 is 67.2M ≥ 2**26 =
+    # 67.1M, at B·T = 441 below; the built-in task's V ≈ 20 never reaches it.
+    big = CFG.replace(vocab_size=151_936)
+    assert common.uses_chunked_head(big, 2, 221) and not common.uses_chunked_head(big, 1, 441)
+    assert not common.uses_chunked_head(CFG.replace(vocab_size=20), 256, 4096)
+    assert common.uses_chunked_head(CFG.replace(logprobs_head="chunked"), 1, 1)
+    assert not common.uses_chunked_head(big.replace(logprobs_head="plain"), 64, 4096)
+    with pytest.raises(ValueError, match="logprobs_head='fused'; expected one of"):
+        CFG.replace(logprobs_head="fused")

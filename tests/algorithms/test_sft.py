@@ -65,6 +65,20 @@ def test_step_gradient_equals_hand_composed_cross_entropy(steps, mode):
     assert bool(metrics["finite"]) and int(new_state.step) == 1
 
 
+def test_chunked_head_step_equals_plain_step(steps):
+    """The step with the fused head (`logprobs_head="chunked"`): same loss, token accuracy
+    (its greedy tokens) and gradients as the plain head's."""
+    model = Transformer(CFG.replace(logprobs_head="chunked"), head="lm")
+    chunked = jax.jit(sft.make_train_step(model, SGD, sft.SFTConfig(agg="token-mean")))
+    batch = _batch(np.random.default_rng(5))
+    want_state, want = steps["token-mean", 1](sft.init_state(PARAMS, SGD), batch, RNG)
+    got_state, got = chunked(sft.init_state(PARAMS, SGD), batch, RNG)
+    for k in ("loss", "nll", "token_accuracy", "num_tokens", "grad_norm"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+    for g, w in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_accumulation_4x4_equals_1x16(steps, mode):
     batch = _batch(np.random.default_rng(1), b=16)

@@ -13,6 +13,9 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The checkout this file lives in, ahead of any installed jaxrlhf (e.g. another worktree's
+# editable install): the subprocess tests the same code as the parent test process.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import json  # noqa: E402
 import tempfile  # noqa: E402
@@ -26,7 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import _models as M  # noqa: E402
 from jaxrlhf import parallel  # noqa: E402
 from jaxrlhf.algorithms.common import TrainState  # noqa: E402
-from jaxrlhf.models import load_pretrained, random_init, save_pretrained  # noqa: E402
+from jaxrlhf.models import load_pretrained, random_init, save_pretrained, stack_layers  # noqa: E402
 from jaxrlhf.models.transformer import Transformer, init_cache, init_params  # noqa: E402
 from jaxrlhf.rollout.sampler import cpu_row_blocks, generate  # noqa: E402
 
@@ -211,6 +214,29 @@ def forward_equals_unsharded():
     return f"max |diff| {worst}"
 
 
+@check
+def chunked_head_equals_unsharded():
+    """The fused LM head (`logprobs_head="chunked"`, ops.linear_logprobs) with the
+    vocabulary split over tensor=2: the policy loss and its gradients equal the plain head's
+    on one device. Tied embeddings (Qwen3), whose head is `embedding.T`; the untied head
+    runs sharded through the same `linear_logprobs` call."""
+    mesh = mesh_of("fsdp4_tensor2")
+    b = M.batch()
+    out = []
+    for cfg in (M.QWEN3,):
+        plain, chunked = Transformer(cfg), Transformer(cfg.replace(logprobs_head="chunked"))
+        params = jax.jit(lambda r: init_params(plain, r, seq_len=2))(jax.random.key(3))
+        grad = lambda model: jax.jit(jax.value_and_grad(lambda p, x: M.loss_fn(model, p, x)[0]))
+        want = grad(plain)(params, b)
+        p_sh = parallel.param_shardings(chunked, mesh)
+        head = p_sh["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else p_sh["lm_head"]["kernel"]
+        assert "tensor" in head.spec, head.spec
+        got = grad(chunked)(jax.device_put(params, p_sh), parallel.shard_batch(b, mesh))
+        d = close(got, want, rtol=1e-4, atol=1e-6, what=cfg.model_type)
+        out.append(f"{cfg.model_type}: max |diff| {d:.1e}")
+    return "; ".join(out)
+
+
 @cached
 def trained(mesh_name, steps=2):
     """`(state, metrics)` after `steps` AdamW steps, single-device for mesh_name None."""
@@ -321,6 +347,37 @@ def hf_load_sharded_equals_whole():
                     assert x.sharding == s, (x.sharding, s)
         out.append(cfg.model_type)
     return f"exact for {out}"
+
+
+@check
+def scanned_stack_sharded():
+    """A scanned 2-layer model loaded sharded from an unrolled HF folder: stacked params
+    keep their layer axis whole, the forward and greedy sampling (with a 5-D cache) equal
+    the unrolled model's unsharded ones."""
+    mesh = mesh_of("fsdp4_tensor2")
+    cfg = M.LLAMA.replace(num_layers=2)
+    model_u, params_u = random_init(cfg, seed=9)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model_u, params_u, d, overwrite=True, max_shard_bytes=40_000)  # layers in several files
+        model, params = parallel.load_pretrained_sharded(d, mesh, scan_layers=True)
+    close(params, stack_layers(params_u), rtol=0, atol=0, what="stacked load")
+    assert params["layers"]["self_attn"]["q_proj"]["kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert params["layers"]["mlp"]["down_proj"]["kernel"].sharding.spec == P(None, "tensor", "fsdp")
+    assert params["layers"]["input_layernorm"]["scale"].sharding.spec == P(None, None)
+    b = M.batch()
+    ref = jax.jit(lambda p, x, m: model_u.apply({"params": p}, x, m))(params_u, b["sequences"], b["attention_mask"])
+    bs = parallel.shard_batch({"x": b["sequences"], "m": b["attention_mask"]}, mesh)
+    out = jax.jit(lambda p, x, m: model.apply({"params": p}, x, m))(params, bs["x"], bs["m"])
+    worst = close(out.logits, ref.logits, rtol=1e-4, atol=1e-5, what="scanned sharded forward")
+    cache = parallel.cache_shardings(init_cache(model.config, 8, 11), mesh)  # k [B, n, K, H, S]
+    assert (cache.k.spec, cache.v.spec) == (P("fsdp", None, "tensor", None, None),) * 2, cache
+    ids, mask = M.prompts()
+    kw = dict(max_new_tokens=5, temperature=0.0, eos_id=None)
+    want = generate(model_u, params_u, ids, mask, jax.random.key(0), **kw)
+    got = parallel.generate_sharded(model, params, ids, mask, jax.random.key(0), mesh=mesh,
+                                    params_shardings=parallel.param_shardings(model, mesh), **kw)
+    np.testing.assert_array_equal(np.asarray(got.response_ids), np.asarray(want.response_ids))
+    return f"forward max |diff| {worst:.1e}; tokens {np.asarray(want.response_ids)[0].tolist()}"
 
 
 def _algo_batch(seed=0):

@@ -14,6 +14,9 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The checkout this file lives in, ahead of any installed jaxrlhf (e.g. another worktree's
+# editable install): the subprocess tests the same code as the parent test process.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

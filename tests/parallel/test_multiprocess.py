@@ -19,6 +19,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _runner import checkout_env  # noqa: E402
 
 NPROC = 2
 
@@ -46,7 +47,7 @@ def _reference(steps: int):
 
 
 def test_two_processes_match_single_process(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_", "JAXRLHF_"))}
+    env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_", "JAXRLHF_"))})
     port = _free_port()
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(NPROC)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_multiproc_worker.py"), str(i), str(NPROC),

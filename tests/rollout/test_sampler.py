@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import ops
+from jaxrlhf.algorithms import common
 from jaxrlhf.models import ModelConfig, Transformer, init_params
 from jaxrlhf.rollout import SampleOutput, generate, sampler, truncate_logits
 
@@ -18,6 +19,7 @@ PARAMS = init_params(MODEL, jax.random.key(0))
 # Random-init logits are nearly uniform; sharpen them so that greedy/top-k choices are
 # well separated and EOS tests see both short and long responses.
 PARAMS = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 and x.shape == (32, 37) else x, PARAMS)
+MODEL_CHUNKED = Transformer(CFG.replace(logprobs_head="chunked"))  # the same params
 
 
 def _prompts(rng, b, p, min_len=1):
@@ -30,6 +32,11 @@ def _prompts(rng, b, p, min_len=1):
 @jax.jit
 def _full_logits(seq, mask):  # jitted: eager dispatch recompiled every op for each length
     return MODEL.apply({"params": PARAMS}, seq, mask).logits
+
+
+@functools.partial(jax.jit, static_argnums=3)  # τ traced: one compilation for both temperatures
+def _chunked_logprobs(params, seq, mask, prompt_len, temperature):
+    return common.response_logprobs(MODEL_CHUNKED, params, seq, mask, prompt_len, temperature=temperature)
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward():
@@ -66,6 +73,9 @@ def test_sampler_logprobs_equal_trainer_token_logprobs(temperature):
     trainer = ops.token_logprobs(logits[:, p - 1:-1], out.response_ids, temperature=temperature)
     m = np.asarray(out.response_mask)
     np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(trainer)[m], atol=2e-5)
+    # The trainer's own path with the fused LM head (ops.linear_logprobs) agrees too.
+    fused = _chunked_logprobs(PARAMS, out.sequences, out.attention_mask, p, jnp.float32(temperature))[0]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(fused)[m], atol=2e-5)
 
 
 def test_sampling_frequencies_match_softmax_over_temperature():
