@@ -121,17 +121,22 @@ def _grpo_inputs(model, b, p, t):
     return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0)))
 
 
-def part_grpo(lengths, b=8, p=256):
+def _by_length(part, lengths, inputs):
+    """One row per (T, variant): the plan of the step `inputs(opts, t)` returns."""
     rows = []
     for t in lengths:
         for name, opts in VARIANTS:
             if name == "dense" and t > 8192:
                 continue  # its plan passes 2 TiB at 8k already
-            model = Transformer(ModelConfig(**QWEN_05B, **opts))
-            step, args = _grpo_inputs(model, b, p, t)
-            rows.append(dict(part="grpo", T=t, variant=name, **plan(step, *args)))
+            step, args = inputs(opts, t)
+            rows.append(dict(part=part, T=t, variant=name, **plan(step, *args)))
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def part_grpo(lengths, b=8, p=256):
+    return _by_length("grpo", lengths, lambda opts, t: _grpo_inputs(Transformer(ModelConfig(**QWEN_05B, **opts)),
+                                                                   b, p, t))
 
 
 def _ppo_inputs(shape, opts, b, p, t, *, dtype="float32", frozen_dtype=None):
@@ -154,15 +159,7 @@ def _ppo_inputs(shape, opts, b, p, t, *, dtype="float32", frozen_dtype=None):
 
 
 def part_ppo(lengths, b=8, p=256):
-    rows = []
-    for t in lengths:
-        for name, opts in VARIANTS:
-            if name == "dense" and t > 8192:
-                continue
-            step, args = _ppo_inputs(QWEN_05B, opts, b, p, t)
-            rows.append(dict(part="ppo", T=t, variant=name, **plan(step, *args)))
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return _by_length("ppo", lengths, lambda opts, t: _ppo_inputs(QWEN_05B, opts, b, p, t))
 
 
 def part_8b(lengths, b=8, p=512):

@@ -256,6 +256,15 @@ def _block_scores(q_BxKxGxQxH, k_BxKxCxH, valid_BxC, slots_Q, j, st: _Static):
     return jnp.where(allowed, s, _NEG), allowed
 
 
+def _key_block(q_BxKxGxQxH, k, v, key_valid, slots_Q, j, st: _Static):
+    """Key block `j`: its keys and values `[B, K, C, H]`, and its scores against the query
+    block with where they are allowed (`_block_scores`)."""
+    k_blk = lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
+    v_blk = lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
+    valid = lax.dynamic_slice_in_dim(key_valid, j * st.bk, st.bk, axis=1)
+    return (k_blk, v_blk) + _block_scores(q_BxKxGxQxH, k_blk, valid, slots_Q, j, st)
+
+
 def _split_queries(x_BxKxGxLx_, bq):
     b, kh, g, lp = x_BxKxGxLx_.shape[:4]
     return jnp.moveaxis(x_BxKxGxLx_.reshape(b, kh, g, lp // bq, bq, *x_BxKxGxLx_.shape[4:]), 3, 0)
@@ -276,10 +285,7 @@ def _flash_forward(q, k, v, key_valid, q_slot, st: _Static):
 
         def body(j, carry):
             m, ell, acc = carry
-            k_blk = lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
-            v_blk = lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
-            valid = lax.dynamic_slice_in_dim(key_valid, j * st.bk, st.bk, axis=1)
-            sc, allowed = _block_scores(q_blk, k_blk, valid, slots, j, st)
+            k_blk, v_blk, sc, allowed = _key_block(q_blk, k, v, key_valid, slots, j, st)
             m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
             p = jnp.where(allowed, jnp.exp(sc - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
@@ -321,10 +327,7 @@ def _flash_bwd(st: _Static, res, do):
 
         def body(j, inner):
             dq, dk, dv = inner
-            k_blk = lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
-            v_blk = lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
-            valid = lax.dynamic_slice_in_dim(key_valid, j * st.bk, st.bk, axis=1)
-            sc, allowed = _block_scores(q_blk, k_blk, valid, slots, j, st)
+            k_blk, v_blk, sc, allowed = _key_block(q_blk, k, v, key_valid, slots, j, st)
             p = jnp.where(allowed, jnp.exp(sc - lse_blk[..., None]), 0.0)
             dv_blk = jnp.einsum("BKGQC,BKGQH->BKCH", p, do_blk)
             dp = jnp.einsum("BKGQH,BKCH->BKGQC", do_blk, v_blk.astype(jnp.float32))
