@@ -44,6 +44,21 @@ def load_workload(path: str | None = None) -> dict:
     raise FileNotFoundError(f"workload_prompts.json not found in {[str(c) for c in candidates]}; pass --prompts")
 
 
+def token_fraction_reward(target: int, name: str):
+    """The GRPO benchmarks' JAX reward: the fraction of a completion's valid tokens equal to
+    `target` (`jaxrlhf.rewards.jax_reward`)."""
+    import jax.numpy as jnp
+
+    from jaxrlhf import rewards
+
+    def fraction_of_target(ids_NxT, mask_NxT, extras):
+        mask_NxT = mask_NxT.astype(bool)
+        hits = jnp.sum((ids_NxT == target) & mask_NxT, axis=1)
+        return (hits / jnp.maximum(jnp.sum(mask_NxT, axis=1), 1)).astype(jnp.float32)
+
+    return rewards.jax_reward(fraction_of_target, name=name)
+
+
 def hf_llama_config(**extra):
     """The workload's `transformers.LlamaConfig`; `extra` (e.g. `attn_implementation`) goes to its constructor."""
     import transformers

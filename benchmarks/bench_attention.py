@@ -16,7 +16,6 @@ rows (GQA, bf16 on accelerators, float32 on CPU):
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys

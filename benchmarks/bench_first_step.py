@@ -161,7 +161,6 @@ def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrlhf import rewards
     from jaxrlhf.algorithms import common, grpo
     from jaxrlhf.algorithms.experience import SamplingConfig
     from jaxrlhf.models import count_params, encode_prompt, load_pretrained, load_tokenizer
@@ -192,12 +191,7 @@ def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
         advantage="grpo", adv_eps=ADV_EPS, beta=BETA, kl_estimator="k3", clip_low=CLIP, agg="token-mean",
         num_iterations=1)
 
-    def fraction_of_target(ids_NxT, mask_NxT, extras):
-        mask_NxT = mask_NxT.astype(bool)
-        hits = jnp.sum((ids_NxT == target) & mask_NxT, axis=1)
-        return (hits / jnp.maximum(jnp.sum(mask_NxT, axis=1), 1)).astype(jnp.float32)
-
-    reward = rewards.jax_reward(fraction_of_target, name="frac_the")
+    reward = _common.token_fraction_reward(target, name="frac_the")
     iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True)
     box = {"state": grpo.init_state(params, tx, ref_params=ref)}
     del params, ref

@@ -63,7 +63,6 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
     import jax
     import jax.numpy as jnp
 
-    from jaxrlhf import rewards
     from jaxrlhf.algorithms import common, grpo
     from jaxrlhf.algorithms.experience import SamplingConfig
     from jaxrlhf.models import load_pretrained
@@ -78,12 +77,7 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
                                 num_samples=G),
         advantage="grpo", adv_eps=1e-4, beta=0.0, clip_low=0.2, agg="token-mean", num_iterations=1)
 
-    def fraction_of_target(ids_NxT, mask_NxT, extras):
-        mask_NxT = mask_NxT.astype(bool)
-        hits = jnp.sum((ids_NxT == TARGET) & mask_NxT, axis=1)
-        return (hits / jnp.maximum(jnp.sum(mask_NxT, axis=1), 1)).astype(jnp.float32)
-
-    reward = rewards.jax_reward(fraction_of_target, name="frac7")
+    reward = _common.token_fraction_reward(TARGET, name="frac7")
     iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True)
     rollout = jax.jit(functools.partial(grpo.rollout, model=model, cfg=cfg, reward=reward))
     box = {"state": grpo.init_state(params, tx)}

@@ -15,7 +15,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.transformer import Transformer, init_cache, project_logits
+from jaxrlhf.models.transformer import Transformer, init_cache, lm_head_weight, project_logits
 
 PyTree = Any
 
@@ -176,15 +176,6 @@ def hidden_logprobs(model: Transformer, params, hidden_BxTxD, targets_BxT, *, te
 # float32 copy 256 MiB): below it the plain path's logits are small, and it runs the
 # built-in task's tiny vocabularies exactly as before.
 CHUNKED_HEAD_FROM = 2**26
-
-
-def lm_head_weight(config: ModelConfig, params) -> jax.Array:
-    """The LM head as `w [D, V]` in the compute dtype: `embedding.T` when tied, else the
-    `lm_head` kernel (what `project_logits` multiplies by)."""
-    dt = jnp.dtype(config.dtype)
-    if config.tie_word_embeddings:
-        return params["embed_tokens"]["embedding"].astype(dt).T
-    return params["lm_head"]["kernel"].astype(dt)
 
 
 def uses_chunked_head(config: ModelConfig, rows: int, positions: int) -> bool:

@@ -196,7 +196,6 @@ class Attention(nn.Module):
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        b = x_BxLxD.shape[0]
         tail = slice(None) if queries is None else slice(-queries, None)
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
         proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out, name=name)
@@ -483,12 +482,16 @@ def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.
     Lets callers project only the positions they need (the sampler's last prompt token, or
     chunks of a long response) instead of materialising `[B, L, V]` logits.
     """
+    return _rows_matmul(hidden_BxLxD.astype(jnp.dtype(config.dtype)), lm_head_weight(config, params))
+
+
+def lm_head_weight(config: ModelConfig, params) -> jax.Array:
+    """The LM head as `w [D, V]` in the compute dtype: `embedding.T` when tied, else the
+    `lm_head` kernel (what `project_logits` multiplies by)."""
     dt = jnp.dtype(config.dtype)
     if config.tie_word_embeddings:
-        w_DxV = params["embed_tokens"]["embedding"].astype(dt).T
-    else:
-        w_DxV = params["lm_head"]["kernel"].astype(dt)
-    return _rows_matmul(hidden_BxLxD.astype(dt), w_DxV)
+        return params["embed_tokens"]["embedding"].astype(dt).T
+    return params["lm_head"]["kernel"].astype(dt)
 
 
 def init_params(model: Transformer, rng: jax.Array, *, seq_len: int = 8):
