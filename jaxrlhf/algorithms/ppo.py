@@ -41,11 +41,11 @@ from jaxrlhf.algorithms import kl_controller
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
+    apply_if_finite,
     accumulation_scale,
     reduce_metric,
     response_hidden,
     response_logprobs,
-    skip_unless,
     tree_finite,
 )
 from jaxrlhf.algorithms.experience import SamplingConfig
@@ -671,12 +671,11 @@ def update(
         loss, metrics, grads = accumulate_gradients(lambda p, b, _: lf(p, b), params, mb,
                                                     num_microbatches=cfg.num_microbatches)
         finite = tree_finite(grads) & jnp.isfinite(loss)
-        keep = functools.partial(skip_unless, finite)
-        new_actor = keep(actor.apply_gradients(grads["actor"], tx_actor), actor)
+        new_actor, _ = apply_if_finite(actor, grads["actor"], tx_actor, loss, finite)
         new_critic = None
         metrics = dict(metrics, finite=finite, grad_norm=optax.tree.norm(grads["actor"]))
         if critic is not None:
-            new_critic = keep(critic.apply_gradients(grads["critic"], tx_critic), critic)
+            new_critic, _ = apply_if_finite(critic, grads["critic"], tx_critic, loss, finite)
             metrics["grad_norm_critic"] = optax.tree.norm(grads["critic"])
         return (new_actor, new_critic), metrics
 
