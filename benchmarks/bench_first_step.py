@@ -44,6 +44,10 @@ RSS (`VmHWM` of /proc/self/status at the end of the worker) is that framework's 
 de-quantises it to float32 (needs the `gguf` and `accelerate` packages), the weights go into
 a fresh `from_config` model, saved as safetensors with the tokenizer and chat template.
 
+Both workers run with glibc's own malloc settings (`JAXRLHF_HOST_ALLOCATOR=default`, what
+`python -m jaxrlhf.train` uses unless told otherwise), not the "reuse" settings of the other
+benchmarks; set the variable to compare.
+
 Each worker is killed after `--timeout` seconds (its last PROGRESS line, with the step
 times and peak RSS so far, is then reported). Every row records a CPU watch of its
 subprocess (`_common.CpuWatch`): a result with `contended: true` (other processes used CPU
@@ -65,6 +69,10 @@ from pathlib import Path
 T_START = time.perf_counter()  # the worker's interpreter start, near enough
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The glibc settings a user's run gets (`python -m jaxrlhf.train` leaves them alone unless
+# JAXRLHF_HOST_ALLOCATOR=reuse), on both sides: the other benchmarks' "reuse" slows XLA's
+# compiler (one heap lock) and raises peak RSS by fragmentation, the two things measured here.
+os.environ.setdefault("JAXRLHF_HOST_ALLOCATOR", "default")
 import _common  # noqa: E402
 
 G, T_NEW, BETA, LR, ADV_EPS, CLIP = 4, 64, 0.04, 1e-6, 1e-4, 0.2
@@ -93,7 +101,7 @@ def parse_options(pairs: list[str]) -> dict:
         low = value.strip().lower()
         if low in ("true", "false"):
             out[key] = low == "true"
-        elif low in ("none", "null"):
+        elif low == "null":  # "none" stays a string: it is a remat policy
             out[key] = None
         else:
             try:
@@ -403,7 +411,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2, help="steps after the first (their median is reported)")
     ap.add_argument("--side", choices=("both", "jax", "trl"), default="both")
     ap.add_argument("--jax-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="a load_pretrained model option (repeatable; true/false/none and ints are parsed)")
+                    help="a load_pretrained model option (repeatable; true/false/null and ints are parsed)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds each worker may run")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--make-checkpoint", default=None, metavar="DIR", help="write the checkpoint folder and exit")
