@@ -30,8 +30,9 @@ strings that start with their code in brackets:
 
 Any NaN/Inf among the metrics (or `finite == False`) raises `NonFiniteError`: the train
 loop must catch it before writing a checkpoint (and stop, or restore the last good one).
-A check whose metric is absent from the dict is skipped, so the monitor serves GRPO
-(no critic, no value loss) too.
+A check whose metric is absent from the dict is skipped (GRPO has no critic, no value
+loss). Each algorithm names its metrics its own way; `MonitorConfig.for_algorithm("grpo")`
+(or "ppo") reads that algorithm's names (`METRIC_KEYS`), so that every check can fire.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class MonitorConfig:
       (mean length up by 50 %); reward_rise: the score must rise by more than this
       (absolute) too (default 0: any rise).
     score_key, length_key: metric names for the length-hacking check.
+    clipfrac_key, first_ratio_max_key, first_ratio_min_key, first_approx_kl_key,
+      sampler_logp_key, value_loss_key: the names of the other checked metrics (PPO's by
+      default; `for_algorithm` sets another algorithm's).
     """
 
     kl_target: float | None = None
@@ -100,6 +104,19 @@ class MonitorConfig:
     reward_rise: float = 0.0
     score_key: str = "score_mean"
     length_key: str = "response_length_mean"
+    clipfrac_key: str = "clipfrac"
+    first_ratio_max_key: str = "first_ratio_max"
+    first_ratio_min_key: str = "first_ratio_min"
+    first_approx_kl_key: str = "first_approx_kl"
+    sampler_logp_key: str = "sampler_logp_diff_max"
+    value_loss_key: str = "value_loss"
+
+    @classmethod
+    def for_algorithm(cls, name: str, **thresholds) -> "MonitorConfig":
+        """The thresholds given, with the metric names of algorithm `name` (`METRIC_KEYS`)."""
+        if name not in METRIC_KEYS:
+            raise ValueError(f"MonitorConfig.for_algorithm: {name!r}; expected one of {sorted(METRIC_KEYS)}")
+        return cls(**{**METRIC_KEYS[name], **thresholds})
 
     def __post_init__(self):
         if self.kl_target is not None and not self.kl_target > 0:
@@ -112,6 +129,21 @@ class MonitorConfig:
                 raise ValueError(f"MonitorConfig: {name} must be >= 1, got {getattr(self, name)}")
         if self.length_window < 3:
             raise ValueError(f"MonitorConfig: length_window must be >= 3, got {self.length_window}")
+
+
+# The metric each check reads, by algorithm: PPO's KL is nats per response (what its
+# adaptive controller targets), GRPO's the per-token mean of its estimator against the
+# reference (emitted when β > 0 or `track_kl`).
+METRIC_KEYS = {
+    "ppo": dict(kl_key="kl_seq", score_key="score_mean", length_key="response_length_mean",
+                clipfrac_key="clipfrac", first_ratio_max_key="first_ratio_max",
+                first_ratio_min_key="first_ratio_min", first_approx_kl_key="first_approx_kl",
+                sampler_logp_key="sampler_logp_diff_max", value_loss_key="value_loss"),
+    "grpo": dict(kl_key="kl", score_key="reward/mean", length_key="response_length/mean",
+                 clipfrac_key="clipfrac", first_ratio_max_key="first/ratio_max",
+                 first_ratio_min_key="first/ratio_min", first_approx_kl_key="first/approx_kl",
+                 sampler_logp_key="logp_mismatch", value_loss_key="value_loss"),
+}
 
 
 def _scalar(value: Any) -> float | None:
@@ -157,7 +189,7 @@ class HealthMonitor:
             out.append(f"[kl] step {step}: {c.kl_key} = {kl:.4g} is more than {c.kl_factor:g}× the target "
                        f"{c.kl_target:g}: the policy is drifting from the reference (raise β / lower lr)")
 
-        clipfrac = get("clipfrac")
+        clipfrac = get(c.clipfrac_key)
         if clipfrac is not None:
             self._clip_streak = self._clip_streak + 1 if clipfrac > c.clipfrac_max else 0
             n = self._clip_streak
@@ -166,19 +198,20 @@ class HealthMonitor:
                            f"consecutive steps: updates are too large (lower lr / epochs)")
 
         hi = 1.0 + c.first_ratio_factor * c.clip
-        r_max, r_min, fkl = get("first_ratio_max"), get("first_ratio_min"), get("first_approx_kl")
+        r_max, r_min = get(c.first_ratio_max_key), get(c.first_ratio_min_key)
+        fkl = get(c.first_approx_kl_key)
         if (r_max is not None and r_max > hi) or (r_min is not None and r_min < 1.0 / hi) or (
                 fkl is not None and fkl > c.first_approx_kl_max):
             out.append(f"[first_ratio] step {step}: at the first minibatch ratio in [{r_min}, {r_max}], "
                        f"approx_kl {fkl} (expected 1 and 0): old log-probs do not match the trainer's "
                        f"forward pass (shift, temperature, padding, dtype or another engine's log-probs)")
 
-        diff = get("sampler_logp_diff_max")
+        diff = get(c.sampler_logp_key)
         if diff is not None and diff > c.sampler_logp_diff_max:
             out.append(f"[sampler_logp] step {step}: sampler and trainer log-probs differ by up to {diff:.3g} "
                        f"nats (> {c.sampler_logp_diff_max:g})")
 
-        vl = get("value_loss")
+        vl = get(c.value_loss_key)
         if vl is not None:
             if len(self._value_losses) >= c.value_loss_min_history:
                 median = statistics.median(self._value_losses)

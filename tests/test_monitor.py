@@ -117,3 +117,24 @@ def test_config_validation():
         MonitorConfig(kl_target=0.0)
     with pytest.raises(ValueError, match="length_window"):
         MonitorConfig(length_window=2)
+
+
+def test_each_algorithm_names_its_metrics():
+    """`for_algorithm` reads each algorithm's own metric names: the PPO stream of every
+    check, renamed to GRPO's names, triggers the same warnings under the GRPO keys, and none
+    under PPO's (whose names it no longer carries)."""
+    from jaxrlhf.monitor import METRIC_KEYS
+
+    rename = {METRIC_KEYS["ppo"][k]: METRIC_KEYS["grpo"][k] for k in METRIC_KEYS["ppo"]}
+    broken = [dict(healthy(i), kl_seq=20.0, clipfrac=0.5, first_ratio_max=5.0, sampler_logp_diff_max=3.0,
+                   value_loss=1.0 if i < 6 else 100.0, score_mean=0.1 * i, response_length_mean=50.0 * 1.2 ** i)
+              for i in range(12)]
+    ppo_codes = codes(run(broken, **METRIC_KEYS["ppo"], kl_target=3.0))
+    assert ppo_codes == {"[kl]", "[clipfrac]", "[first_ratio]", "[sampler_logp]", "[value_loss]", "[length_hacking]"}
+    grpo_stream = [{rename.get(k, k): v for k, v in m.items()} for m in broken]
+    mon = HealthMonitor(MonitorConfig.for_algorithm("grpo", kl_target=3.0))
+    assert codes([w for i, m in enumerate(grpo_stream) for w in mon.check(m, i)]) == ppo_codes
+    # under PPO's names only the checks whose metric both algorithms name alike still fire
+    assert codes(run(grpo_stream, kl_target=3.0)) == {"[clipfrac]", "[value_loss]"}
+    with pytest.raises(ValueError, match="expected one of"):
+        MonitorConfig.for_algorithm("sft")

@@ -64,6 +64,10 @@ class GRPOConfig:
       advantage: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp" (see the module docstring).
       adv_eps: ε of "grpo" advantages `(s − mean)/(std + ε)` (TRL uses 1e-4).
       beta: coefficient of `agg(KL)` in the loss; 0 needs no reference model.
+      track_kl: with β = 0, still keep the reference model and report `kl` (the masked
+        mean of the estimator against it) without putting it in the loss: the health
+        monitor's drift check then works for unregularised runs too (one more forward
+        pass per step).
       kl_estimator: "k3" (SPEC §3, the GRPO choice), or "k1" / "k2".
       clip_low, clip_high: ε_low, ε_high of the clipped ratio (clip_high None = clip_low;
         DAPO's clip-higher is clip_high > clip_low).
@@ -96,6 +100,7 @@ class GRPOConfig:
     advantage: str = "grpo"
     adv_eps: float = 1e-6
     beta: float = 0.0
+    track_kl: bool = False
     kl_estimator: str = "k3"
     clip_low: float = 0.2
     clip_high: float | None = None
@@ -155,6 +160,11 @@ class GRPOConfig:
             if not 0 <= self.overlong_cache < self.overlong_max_len:
                 fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), "
                      f"got {self.overlong_cache}")
+
+    @property
+    def uses_reference(self) -> bool:
+        """The reference model's log-probs are computed: β > 0 (the KL term) or `track_kl`."""
+        return self.beta > 0 or self.track_kl
 
     @property
     def group_size(self) -> int:
@@ -364,7 +374,8 @@ def loss_fn(
     share of the minibatch loss (`common.accumulation_scale`), for accumulation.
 
     Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `pg_loss`, `clipfrac`,
-    `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl` when β > 0, `logp_mismatch`
+    `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl` when the batch has reference
+    log-probs (β > 0 or `track_kl`), `logp_mismatch`
     (max |logp − sampler_logp|) when the batch has sampler log-probs.
     """
     p = batch.sequences.shape[1] - batch.response_mask.shape[1]
@@ -379,11 +390,12 @@ def loss_fn(
                                   clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **agg)
     loss = pg_loss
     metrics = dict(pg, pg_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
-    if cfg.beta > 0:
-        if batch.ref_logp is None:
-            raise ValueError("GRPO loss: beta > 0 needs ref_logp (a reference model)")
+    if cfg.beta > 0 and batch.ref_logp is None:
+        raise ValueError("GRPO loss: beta > 0 needs ref_logp (a reference model)")
+    if batch.ref_logp is not None:
         kl_BxT = ops.kl(logp, batch.ref_logp, estimator=cfg.kl_estimator)
-        loss = loss + cfg.beta * ops.aggregate(kl_BxT, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
+        if cfg.beta > 0:
+            loss = loss + cfg.beta * ops.aggregate(kl_BxT, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
         metrics["kl"] = ops.masked_mean(jax.lax.stop_gradient(kl_BxT), mask)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
@@ -408,8 +420,9 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     skipped (parameters and optimizer state kept); `finite` is False if any was.
 
     Returns: `(state, metrics)`: loss metrics averaged over the steps (`ratio_max` and
-    `logp_mismatch` maxed, `ratio_min` minimised; `first/ratio_max` from the first
-    minibatch), `grad_norm` (mean global norm before clipping), `finite`, `skipped_steps`.
+    `logp_mismatch` maxed, `ratio_min` minimised; `first/ratio_max`, `first/ratio_min` and
+    `first/approx_kl` from the first minibatch), `grad_norm` (mean global norm before
+    clipping), `finite`, `skipped_steps`.
     """
     n = batch.response_mask.shape[0]
     mu, m, k = cfg.num_iterations, cfg.num_minibatches, cfg.num_microbatches
@@ -444,6 +457,7 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
             metrics[name] = common.reduce_metric(name, values)
     metrics["first/ratio_max"] = stacked["ratio_max"][0]
     metrics["first/ratio_min"] = stacked["ratio_min"][0]
+    metrics["first/approx_kl"] = stacked["approx_kl"][0]
     return state.replace(policy=policy), metrics
 
 
@@ -495,8 +509,9 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
     `update`. `scores` holds every component of `reward`, `[N]` each."""
     g = cfg.group_size
     n_pool = out.response_ids.shape[0]
-    if cfg.beta > 0 and state.ref_params is None:
-        raise ValueError("GRPO with beta > 0 needs a reference model: init_state(params, tx, ref_params=...)")
+    if cfg.uses_reference and state.ref_params is None:
+        raise ValueError(f"GRPO with beta={cfg.beta}, track_kl={cfg.track_kl} needs a reference model: "
+                         "init_state(params, tx, ref_params=...)")
     total = reward.total(scores)
     lengths = out.response_mask.sum(axis=1)
     metrics = dict(reward.metrics(scores))
@@ -530,7 +545,7 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
     score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
                               prompt_len=p, temperature=temp, group_size=cfg.prompt_group(n))
     old_logp = None if cfg.reuses_rollout_logp else score(state.policy.params)
-    ref_logp = score(state.ref_params) if cfg.beta > 0 else None
+    ref_logp = score(state.ref_params) if cfg.uses_reference else None
     batch = Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs)
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(state.policy.step), jnp.float32)

@@ -25,9 +25,12 @@ def parallel(c: mlc.ConfigDict, *, mesh: str = "data=-1", rules: str = "fsdp_tp"
 
 
 def task(**kw) -> mlc.ConfigDict:
+    """The built-in addition task. `partial_credit`: weight of the per-digit reward beside
+    exact match; `length_bonus`: weight of a reward for the fraction of `max_new_tokens`
+    used — a deliberately wrong reward, to see the monitor's `[length_hacking]` warning."""
     return mlc.ConfigDict(dict(dict(
         name="addition", num_digits=2, reverse_answer=False, num_train=8000, num_test=500, num_pairs=0,
-        partial_credit=0.0, seed=0), **kw))
+        partial_credit=0.0, length_bonus=0.0, seed=0), **kw))
 
 
 def jsonl_task(**kw) -> mlc.ConfigDict:
@@ -81,15 +84,32 @@ def grpo(**kw) -> mlc.ConfigDict:
         steps=100, prompts_per_step=16, pool_size=0, seed=0, sampling=sampling(**samp),
         advantage="grpo", adv_eps=1e-6, beta=0.0, kl_estimator="k3", clip_low=0.2, clip_high=0.0, dual_clip=0.0,
         agg="token-mean", norm_len=0, entropy_coef=0.0, num_iterations=1, num_minibatches=1, num_microbatches=1,
-        ratio_level="token", dynamic_sampling=False, overlong_max_len=0, overlong_cache=0,
+        ratio_level="token", dynamic_sampling=False, overlong_max_len=0, overlong_cache=0, track_kl=False,
         optim=optim(**opt)), **kw))
 
 
+def monitor(**kw) -> mlc.ConfigDict:
+    """The health monitor's thresholds (`jaxrlhf.monitor.MonitorConfig`; 0 = off).
+
+    kl_target: warn when the KL to the reference passes kl_factor × this (GRPO: the
+      per-token mean, nats; PPO: nats per response, and its adaptive controller's
+      `ppo.kl_target` when this is 0). For GRPO with β = 0 a target keeps the reference
+      model to measure the KL (`grpo.track_kl`). clipfrac_max / clipfrac_patience: warn when
+      the clip fraction stays above the first for that many steps. length_window /
+      length_growth: warn when over the window the reward rose while the mean response
+      length grew by more than that fraction.
+    """
+    return mlc.ConfigDict(dict(dict(
+        kl_target=0.0, kl_factor=3.0, clipfrac_max=0.3, clipfrac_patience=5, length_window=10,
+        length_growth=0.5), **kw))
+
+
 def train(**kw) -> mlc.ConfigDict:
-    """The loop: logging, evaluation, checkpoints, export."""
+    """The loop: logging, evaluation, checkpoints, export, the health monitor."""
+    mon = kw.pop("monitor", {})
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
-        show_samples=5, export=True, eval_batch_size=512), **kw))
+        show_samples=5, export=True, eval_batch_size=512, monitor=monitor(**mon)), **kw))
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:

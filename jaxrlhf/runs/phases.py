@@ -84,11 +84,24 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     return state.params, last
 
 
-def grpo_config(cfg, task: Task) -> grpo.GRPOConfig:
+def health_monitor(train, algorithm: str, *, clip: float, kl_target: float | None = None) -> HealthMonitor:
+    """The monitor of an RL phase: `train.monitor`'s thresholds, the algorithm's metric names
+    (`monitor.METRIC_KEYS`); `kl_target` (when > 0) stands in for an unset `kl_target`."""
+    m = train.monitor
+    target = m.kl_target if m.kl_target > 0 else (kl_target or 0.0)
+    return HealthMonitor(MonitorConfig.for_algorithm(
+        algorithm, clip=clip, kl_target=target if target > 0 else None, kl_factor=m.kl_factor,
+        clipfrac_max=m.clipfrac_max, clipfrac_patience=m.clipfrac_patience, length_window=m.length_window,
+        length_growth=m.length_growth))
+
+
+def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig:
+    """`monitor_kl`: the health monitor has a KL target, so the KL to the reference is
+    measured even with β = 0 (`track_kl`)."""
     sampling = setup.build_sampling(cfg.sampling, eos_id=task.eos_id, pad_id=task.pad_id)
     return grpo.GRPOConfig(
         sampling=sampling, advantage=cfg.advantage, adv_eps=cfg.adv_eps, beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high if cfg.clip_high > 0 else None,
+        track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high if cfg.clip_high > 0 else None,
         dual_clip=cfg.dual_clip if cfg.dual_clip > 0 else None, agg=cfg.agg,
         norm_len=cfg.norm_len if cfg.norm_len > 0 else None, entropy_coef=cfg.entropy_coef,
         num_iterations=cfg.num_iterations, num_minibatches=cfg.num_minibatches,
@@ -108,7 +121,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     scoring the responses of its own prompts.
     """
     placement = placement or Placement.local()
-    gcfg = grpo_config(cfg, task)
+    gcfg = grpo_config(cfg, task, monitor_kl=train.monitor.kl_target > 0)
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     keys = task.extra_keys
     dynamic_pool = cfg.dynamic_sampling and cfg.pool_size > 0
@@ -116,7 +129,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
                        "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
-    make = lambda p: grpo.init_state(p, tx, ref_params=jax.tree.map(jnp.copy, p) if gcfg.beta > 0 else None)
+    make = lambda p: grpo.init_state(p, tx, ref_params=jax.tree.map(jnp.copy, p) if gcfg.uses_reference else None)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     reward = rewards_lib.as_reward(task.reward)
     if reward.is_jax:
@@ -128,7 +141,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
         step = _sharded_step(fused, placement, state_sh, pool)
     else:
         step = _host_reward_step(model, tx, gcfg, reward, schedule, placement, state_sh, keys, pool)
-    monitor = HealthMonitor(MonitorConfig(clip=gcfg.clip_low))
+    monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy")),
         workdir=workdir, state=state, step_fn=step, batches=batches,
@@ -324,7 +337,8 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
         step_fn=_sharded_step(fused, placement, state_sh, cfg.prompts_per_step),
         batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask")}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),
-        rng=rng, writer=writer, monitor=HealthMonitor(MonitorConfig(clip=pcfg.clip)), eval_fn=evaluate,
+        rng=rng, writer=writer, monitor=health_monitor(train, "ppo", clip=pcfg.clip, kl_target=pcfg.kl_target),
+        eval_fn=evaluate,
         should_stop=should_stop)
     params = state.actor.params
     if pcfg.shared:
@@ -332,4 +346,4 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
     return params, last
 
 
-__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "ppo_config", "ppo_phase", "reward_model_phase", "sft_phase"]
+__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "reward_model_phase", "sft_phase"]

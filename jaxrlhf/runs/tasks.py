@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import data, rewards
@@ -61,6 +62,10 @@ def addition(cfg) -> Task:
             lambda ids, mask, ex: data.token_match_reward(ids, mask, ex["answer_ids"], ex["answer_mask"],
                                                           eos_id=data.EOS_ID), name="token_match")
         reward = rewards.combine([(1.0, exact), (cfg.partial_credit, partial)])
+    if cfg.length_bonus > 0:  # a deliberately misspecified reward: it pays for length
+        length = rewards.jax_reward(lambda ids, mask, ex: jnp.mean(jnp.asarray(mask, jnp.float32), axis=-1),
+                                    name="length")
+        reward = rewards.combine([(1.0, reward), (cfg.length_bonus, length)])
     pairs = test_pairs = None
     if cfg.num_pairs:
         pairs = data.preference_arrays(task, data.make_preference_pairs(

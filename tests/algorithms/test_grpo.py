@@ -94,6 +94,23 @@ def test_loss_gradient_matches_hand_composed_ops(group_size):
     assert 0 < metrics["clipfrac"] < 1 and metrics["kl"] > 0
 
 
+def test_track_kl_reports_the_kl_without_changing_the_loss():
+    """β = 0 with `track_kl`: the same loss and gradients as without a reference, plus `kl`
+    (the masked mean of the k3 estimator against the reference log-probs)."""
+    batch = _batch()
+    (loss, metrics), grads = _value_and_grad(PARAMS, batch, _cfg(track_kl=True), model=MODEL)
+    (loss0, metrics0), grads0 = _value_and_grad(PARAMS, batch._replace(ref_logp=None), _cfg(), model=MODEL)
+    np.testing.assert_array_equal(loss, loss0)
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
+        np.testing.assert_array_equal(g, g0)
+    assert "kl" not in metrics0
+    logp = _score(PARAMS, batch.sequences, batch.attention_mask)
+    m = np.asarray(batch.response_mask, bool)
+    d = np.asarray(batch.ref_logp, np.float64) - np.asarray(logp, np.float64)
+    np.testing.assert_allclose(metrics["kl"], (np.exp(d) - 1 - d)[m].mean(), rtol=1e-5)
+    assert _cfg(track_kl=True).uses_reference and not _cfg().uses_reference
+
+
 def test_gspo_sequence_ratio_matches_numpy():
     batch = _batch(seed=1)
     logp = _score(PARAMS, batch.sequences, batch.attention_mask)

@@ -1,0 +1,35 @@
+"""The health monitor through `python -m jaxrlhf.train`: a deliberately broken GRPO run
+(learning rate far too high, β = 0, a reward that also pays for length) logs the matching
+warnings, and a healthy tiny run logs none."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# 300 SFT steps, so that the policy starts with short answers that the length reward can grow
+BROKEN = ["--config.sft.steps=300", "--config.sft.batch_size=64", "--config.grpo.steps=16", "--config.grpo.optim.lr=3e-3", "--config.task.length_bonus=1.0",
+          "--config.grpo.sampling.max_new_tokens=8", "--config.train.monitor.kl_target=0.01",
+          "--config.train.monitor.length_window=6"]
+
+
+def _train(tmp_path, *overrides):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "jaxrlhf.train", f"--config={REPO}/configs/addition_grpo.py:tiny",
+           f"--workdir={tmp_path / 'run'}", "--config.train.checkpoint_every=1000", "--config.train.export=false",
+           *overrides]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    return log
+
+
+@pytest.mark.slow
+def test_broken_run_logs_the_matching_warnings(tmp_path):
+    log = _train(tmp_path, *BROKEN)
+    assert "[kl]" in log, log[-3000:]              # drift from the reference, measured with β = 0
+    assert "[length_hacking]" in log, log[-3000:]  # the reward pays for length, and length grows
