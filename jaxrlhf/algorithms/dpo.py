@@ -51,6 +51,9 @@ class DPOConfig:
       beta: β > 0, the strength of the implicit KL constraint to the reference.
       loss_type: "sigmoid" (DPO), "ipo" or "hinge" (SLiC); see `ops.dpo_loss`.
       label_smoothing: ls in [0, 0.5), assumed rate of flipped labels (cDPO); sigmoid only.
+      nll_coef: α ≥ 0, weight of the chosen responses' per-token negative log-likelihood
+        added to the loss (RPO, Pang et al. 2024, arXiv:2404.19733; TRL's `rpo_alpha`): it
+        keeps the chosen answers likely while the pairs are ranked (see `loss_fn`).
       num_microbatches: gradient accumulation steps per batch; must divide B. The loss is a
         mean over pairs, and accumulation reproduces the full-batch mean exactly.
     """
@@ -58,6 +61,7 @@ class DPOConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
+    nll_coef: float = 0.0
     num_microbatches: int = 1
 
     def __post_init__(self):
@@ -70,6 +74,8 @@ class DPOConfig:
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError(f"DPOConfig.label_smoothing applies to loss_type='sigmoid' only, "
                              f"not {self.loss_type!r}")
+        if not self.nll_coef >= 0:
+            raise ValueError(f"DPOConfig.nll_coef must be >= 0, got {self.nll_coef!r}")
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"DPOConfig.num_microbatches must be an int >= 1, got {self.num_microbatches!r}")
 
@@ -186,17 +192,29 @@ def precompute_reference_logprobs(
 
 
 def loss_fn(params, batch: Batch, *, model: Transformer, cfg: DPOConfig) -> tuple[jax.Array, dict]:
-    """`ops.dpo_loss` of the policy's sequence log-probs against the precomputed reference.
+    """`ops.dpo_loss` of the policy's sequence log-probs against the precomputed reference,
+    plus the RPO term when `cfg.nll_coef = α > 0`:
+
+        L = dpo_loss + α · mean_i nll_i,   nll_i = −log π(chosen_i | prompt_i) / |chosen_i|
+
+    (`|chosen_i|` its valid tokens, EOS included; a mean over pairs, so that micro-batch
+    accumulation reproduces it exactly).
 
     Metrics (means over pairs): `reward_accuracy` (fraction with margin > 0), `margin`
     (`z = β((π_c − ref_c) − (π_r − ref_r))`), `chosen_reward`, `rejected_reward`,
-    `chosen_logp`, `rejected_logp`.
+    `chosen_logp`, `rejected_logp`, `chosen_nll` (`nll_i`, reported whatever α) and
+    `dpo_loss` (the loss without the RPO term).
     """
     chosen_logp, rejected_logp = pair_logprobs(model, params, batch)
     loss, metrics = ops.dpo_loss(chosen_logp, rejected_logp, batch["ref_chosen_logp"], batch["ref_rejected_logp"],
                                  beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
+    tokens_B = jnp.maximum(jnp.sum(batch["chosen_mask"], axis=1), 1).astype(jnp.float32)
+    nll = jnp.mean(-chosen_logp / tokens_B)
     metrics = dict(metrics, chosen_logp=jnp.mean(jax.lax.stop_gradient(chosen_logp)),
-                   rejected_logp=jnp.mean(jax.lax.stop_gradient(rejected_logp)))
+                   rejected_logp=jnp.mean(jax.lax.stop_gradient(rejected_logp)),
+                   chosen_nll=jax.lax.stop_gradient(nll), dpo_loss=jax.lax.stop_gradient(loss))
+    if cfg.nll_coef:
+        loss = loss + cfg.nll_coef * nll
     return loss, metrics
 
 

@@ -115,7 +115,7 @@ def train(**kw) -> mlc.ConfigDict:
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
     """Training on preference pairs: kind "reward_model" or "dpo"."""
     opt = kw.pop("optim", {})
-    extra = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0) if kind == "dpo" else {}
+    extra = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_coef=0.0) if kind == "dpo" else {}
     return mlc.ConfigDict(dict(dict(steps=100, batch_size=32, seed=0, num_microbatches=1, **extra,
                                     optim=optim(**opt)), **kw))
 

@@ -252,7 +252,7 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     if task.pairs is None:
         raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0")
     dcfg = dpo.DPOConfig(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
-                         num_microbatches=cfg.num_microbatches)
+                         nll_coef=cfg.nll_coef, num_microbatches=cfg.num_microbatches)
     p_sh = placement.param_shardings(model)
     params = placement.place(params, p_sh)
     train_pairs = _reference_logprobs(model, params, task.pairs, placement)

@@ -44,7 +44,7 @@ def _hand_seq_logp(params, prompt_ids, prompt_mask, ids, mask):
 _hand_seq_logp_jit = jax.jit(_hand_seq_logp)
 
 
-def _hand_loss(params, batch, beta, loss_type, ls):
+def _hand_loss(params, batch, beta, loss_type, ls, nll_coef=0.0):
     c = _hand_seq_logp(params, batch["prompt_ids"], batch["prompt_mask"], batch["chosen_ids"], batch["chosen_mask"])
     r = _hand_seq_logp(params, batch["prompt_ids"], batch["prompt_mask"], batch["rejected_ids"], batch["rejected_mask"])
     z = beta * ((c - batch["ref_chosen_logp"]) - (r - batch["ref_rejected_logp"]))
@@ -54,7 +54,8 @@ def _hand_loss(params, batch, beta, loss_type, ls):
         per = (z / beta - 1 / (2 * beta)) ** 2
     else:
         per = jnp.maximum(0.0, 1 - z)
-    return jnp.mean(per), jnp.mean(z > 0)
+    nll = -c / jnp.maximum(jnp.sum(batch["chosen_mask"], axis=1), 1)  # RPO: per-token NLL of the chosen
+    return jnp.mean(per) + nll_coef * jnp.mean(nll), jnp.mean(z > 0)
 
 
 def test_reference_logprobs_are_precomputed_once_per_dataset():
@@ -68,14 +69,16 @@ def test_reference_logprobs_are_precomputed_once_per_dataset():
     np.testing.assert_allclose(batch["ref_rejected_logp"], want_r, rtol=1e-5)
 
 
-@pytest.mark.parametrize("loss_type,ls", [("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)])
-def test_step_gradient_equals_hand_composed_dpo(loss_type, ls):
+@pytest.mark.parametrize("loss_type,ls,nll_coef", [("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0), ("hinge", 0.0, 0.0),
+                                                     ("sigmoid", 0.0, 0.7)])
+def test_step_gradient_equals_hand_composed_dpo(loss_type, ls, nll_coef):
     beta = 0.5
     batch = {k: jnp.asarray(v) for k, v in _pairs(np.random.default_rng(1)).items()}
-    step = jax.jit(dpo.make_train_step(MODEL, SGD, dpo.DPOConfig(beta=beta, loss_type=loss_type, label_smoothing=ls)))
+    step = jax.jit(dpo.make_train_step(MODEL, SGD, dpo.DPOConfig(beta=beta, loss_type=loss_type, label_smoothing=ls,
+                                                                 nll_coef=nll_coef)))
     new_state, metrics = step(dpo.init_state(PARAMS, SGD), batch, RNG)
-    (want_loss, want_acc), want_grads = jax.jit(jax.value_and_grad(_hand_loss, has_aux=True), static_argnums=(2, 3, 4))(
-        PARAMS, batch, beta, loss_type, ls)
+    (want_loss, want_acc), want_grads = jax.jit(jax.value_and_grad(_hand_loss, has_aux=True),
+                                                static_argnums=(2, 3, 4, 5))(PARAMS, batch, beta, loss_type, ls, nll_coef)
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
     np.testing.assert_allclose(metrics["reward_accuracy"], want_acc)
     got_grads = jax.tree.map(lambda a, b: a - b, PARAMS, new_state.params)
@@ -179,6 +182,8 @@ def test_bad_input_gives_clear_errors():
         dpo.DPOConfig(loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match="label_smoothing"):
         dpo.DPOConfig(label_smoothing=0.5)
+    with pytest.raises(ValueError, match="nll_coef must be >= 0"):
+        dpo.DPOConfig(nll_coef=-0.1)
     batch = _pairs(np.random.default_rng(6), b=6)
     state = dpo.init_state(PARAMS, SGD)
     step = dpo.make_train_step(MODEL, SGD, dpo.DPOConfig(num_microbatches=4))
