@@ -136,3 +136,34 @@ def test_a_bad_eval_k_stops_the_run_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"train\.eval_k='1,4' with train\.eval_samples=2"):
         train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_jsonl_final_answer_is_what_the_host_reward_compares(tmp_path):
+    """maj@k on JSONL data votes on the extracted final answer of the text before EOS, and
+    equal answers score equally under the task's reward."""
+    tok = data.CharTokenizer()
+    tok.to_hf().save_pretrained(tmp_path / "tok")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "1+2=", "answer": "#### 3"}))
+    task = tasks.jsonl(config_base.jsonl_task(path=str(tmp_path / "train.jsonl"), chat_template=False),
+                       tokenizer_path=str(tmp_path / "tok"))
+    texts = ["1+2=3", "2 3", "(3)", "=4", "", "3=3+", "3-1=2"]
+    rows = [tok.encode(t) + [data.EOS_ID] for t in texts] + [tok.encode("12") + tok.encode("3")]  # last: no EOS
+    width = max(map(len, rows)) + 1
+    ids = np.asarray([r + [data.EOS_ID] * (width - len(r)) for r in rows])
+    mask = np.asarray([[j < len(r) for j in range(width)] for r in rows])
+    answers = task.answers(ids, mask)
+    assert answers == [data.extract_final_answer(t) for t in texts] + [data.extract_final_answer("123")]
+    out = rewards_input(task, ids, mask)
+    scores = task.reward.host_scores(out, {"answer": ["#### 3"] * len(rows)})["exact_answer"]
+    by_answer = {}
+    for a, s in zip(answers, scores):
+        assert by_answer.setdefault(a, s) == s, a
+    assert sorted(set(scores.tolist())) == [0.0, 1.0]
+
+
+def rewards_input(task, ids, mask):
+    from jaxrlhf import rewards
+
+    prompt = np.ones((ids.shape[0], 1), ids.dtype)
+    return rewards.RewardInput(prompt, prompt.astype(bool), ids, mask, np.concatenate([prompt, ids], 1),
+                               np.concatenate([prompt.astype(bool), mask], 1))
