@@ -133,3 +133,11 @@ def test_sampled_eval_is_off_by_default_and_reads_the_config():
 def test_sampled_eval_config_errors_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         SampledEval.from_config(_train(**fields))
+
+
+def test_tensorboard_tags_of_the_sampled_metrics_are_legal():
+    from jaxrlhf.runs.metrics import tensorboard_tag
+
+    assert tensorboard_tag("grpo/eval/pass@4") == "grpo/eval/pass_at_4"
+    assert tensorboard_tag("grpo/eval/accuracy") == "grpo/eval/accuracy"
+    assert tensorboard_tag("a b:c") == "a_b_c"
