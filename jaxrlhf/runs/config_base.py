@@ -105,11 +105,19 @@ def monitor(**kw) -> mlc.ConfigDict:
 
 
 def train(**kw) -> mlc.ConfigDict:
-    """The loop: logging, evaluation, checkpoints, export, the health monitor."""
+    """The loop: logging, evaluation, checkpoints, export, the health monitor.
+
+    Held-out evaluation (every `eval_every` steps of each phase, 0 = only the summary's
+    rows) decodes greedily (`eval/accuracy`, `eval/reward`) and, with `eval_samples` = n > 0,
+    also samples n responses per prompt at `eval_temperature` and reports `mean@n` and, for
+    each k of `eval_k` ("1,4,8": each k in [1, n]), `pass@k` and `maj@k` (`runs.evaluation`).
+    `eval_batch_size` counts sequences: a sampled batch holds eval_batch_size // n prompts.
+    """
     mon = kw.pop("monitor", {})
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
-        show_samples=5, export=True, eval_batch_size=512, monitor=monitor(**mon)), **kw))
+        show_samples=5, export=True, eval_batch_size=512, eval_samples=0, eval_k="1,4,8", eval_temperature=1.0,
+        monitor=monitor(**mon)), **kw))
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:

@@ -8,7 +8,11 @@
 
 Each phase checkpoints under `workdir/<phase>/` and a rerun with the same workdir resumes.
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
-`train.export`) a Hugging Face folder `workdir/export/` with the final policy.
+`train.export`) a Hugging Face folder `workdir/export/` with the final policy. Every row of
+the table (start, after SFT, after the last phase) and every periodic evaluation
+(`train.eval_every`) is one call of `tasks.make_accuracy_fn`: greedy exact match and
+reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@k`,
+`maj@k`, see `runs.evaluation`) as extra columns and `eval/pass@4`-style metrics.
 
 Every phase runs on the device mesh `config.mesh` (default "data=-1") over all devices of
 all processes, with the sharding rules `config.rules` (default "fsdp_tp"), see
@@ -31,6 +35,7 @@ import jax
 
 from jaxrlhf.models import save_pretrained
 from jaxrlhf.runs import phases, setup
+from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.tasks import build_task, make_accuracy_fn
@@ -40,9 +45,21 @@ log = logging.getLogger("jaxrlhf")
 ALGORITHMS = ("sft", "grpo", "ppo", "dpo", "reward_model")
 
 
-def _print_summary(rows, samples, elapsed, show=True):
-    lines = ["", "| stage | held-out exact match | held-out reward |", "|---|---|---|"]
-    lines += [f"| {name} | {m['accuracy']:.3f} | {m['reward']:.3f} |" for name, m in rows]
+def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | None = None):
+    """The before/after table: greedy exact match and reward, then (with `sampled`) one
+    column per sampled metric in the order mean@n, pass@k..., maj@k..."""
+    cols = []
+    if sampled is not None:
+        cols = [f"mean@{sampled.num_samples}", *(f"{m}@{k}" for m in ("pass", "maj") for k in sampled.ks)]
+    lines = ["", "| stage | held-out exact match | held-out reward |" + "".join(f" {c} |" for c in cols),
+             "|---|---|---|" + "---|" * len(cols)]
+    lines += [f"| {name} | {m['accuracy']:.3f} | {m['reward']:.3f} |" + "".join(f" {m[c]:.3f} |" for c in cols)
+              for name, m in rows]
+    if cols:
+        n = sampled.num_samples
+        lines += [f"Exact match and reward: greedy decoding. Sampled: {sampled.describe()}; mean@{n} = accuracy "
+                  "of one sample,", "pass@k = chance that one of k samples is correct (unbiased estimate), maj@k = "
+                  "the majority answer of the first k is correct."]
     if samples:
         lines += ["", "Sample outputs (held-out, greedy):"]
         lines += [f"  {p!r} -> {r!r}  {'correct' if ok else 'wrong'}" for p, r, ok in samples]
@@ -57,6 +74,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`)."""
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
+    sampled = SampledEval.from_config(config.train)  # checked before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
     main = jax.process_index() == 0
@@ -68,7 +86,8 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     task = build_task(config.task, model_path=config.model.path)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
-    accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement)
+    accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement,
+                                sampled=sampled, seed=config.seed)
     rng = jax.random.key(config.seed)
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     rows, extras = [], {}
@@ -115,7 +134,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
                 save_pretrained(rm_model, host_params, workdir / "export", overwrite=True)
     finally:
         writer.close()
-    text = _print_summary(rows, samples, time.perf_counter() - start, show=main)
+    text = _print_summary(rows, samples, time.perf_counter() - start, show=main, sampled=sampled)
     if main:
         for name, m in extras.items():
             print(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)

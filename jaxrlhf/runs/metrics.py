@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -17,6 +18,16 @@ def to_python(metrics: dict) -> dict:
         v = np.asarray(v)
         out[k] = float(v) if v.size == 1 else v.tolist()
     return out
+
+
+_TAG_INVALID = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(name: str) -> str:
+    r"""The TensorBoard tag of metric `name`: tags allow only `[-/\w.]`, so `@` becomes
+    `_at_` (`grpo/eval/pass@4` -> `grpo/eval/pass_at_4`) and any other character `_`
+    (tensorboardX would make it `_` and log a line per write). `metrics.jsonl` keeps `name`."""
+    return _TAG_INVALID.sub("_", name.replace("@", "_at_"))
 
 
 class MetricsWriter:
@@ -42,7 +53,7 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in scalars.items():
-                self._tb.add_scalar(k, v, step)
+                self._tb.add_scalar(tensorboard_tag(k), v, step)
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxrlhf import data, rewards
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.runs.evaluation import SampledEval, sampled_metrics
 from jaxrlhf.rollout.sampler import sample
 
 
@@ -28,6 +29,9 @@ class Task:
     prompts / test_prompts: `prompt_ids`, `prompt_mask` `[N, P]` plus reward extras.
     pairs / test_pairs: preference arrays (`data.preference_batch` layout), or None.
     reward: the `rewards.Reward` of a response.
+    final_answer: `(response_ids [N, T], response_mask [N, T]) -> N` hashable answers (None:
+      no answer), what sampled evaluation's majority vote (maj@k) compares; default: the
+      response's valid tokens up to EOS, None for a response without EOS.
     """
 
     name: str
@@ -46,6 +50,23 @@ class Task:
     reward: rewards.Reward
     extra_keys: tuple[str, ...]
     decode: Callable[[np.ndarray], str]
+    final_answer: Callable[[np.ndarray, np.ndarray], list] | None = None
+
+    def answers(self, response_ids_NxT, response_mask_NxT) -> list:
+        """The final answer of each response (`final_answer`, or its default)."""
+        if self.final_answer is not None:
+            return list(self.final_answer(response_ids_NxT, response_mask_NxT))
+        return [tuple(v) if done else None for v, done in _until_eos(response_ids_NxT, response_mask_NxT, self.eos_id)]
+
+
+def _until_eos(response_ids_NxT, response_mask_NxT, eos_id) -> list[tuple[list, bool]]:
+    """(valid token ids before the first EOS, whether there was one) of each response."""
+    out = []
+    for row, m in zip(np.asarray(response_ids_NxT), np.asarray(response_mask_NxT).astype(bool)):
+        valid = row[m].tolist()
+        done = eos_id is not None and eos_id in valid
+        out.append((valid[: valid.index(eos_id)] if done else valid, done))
+    return out
 
 
 def addition(cfg) -> Task:
@@ -76,7 +97,10 @@ def addition(cfg) -> Task:
         eos_id=data.EOS_ID, prompt_len=task.prompt_len, response_len=task.response_len,
         sft=data.sft_arrays(task, train), prompts=data.rl_arrays(task, train), test_prompts=data.rl_arrays(task, test),
         pairs=pairs, test_pairs=test_pairs, reward=reward, extra_keys=("answer_ids", "answer_mask"),
-        decode=lambda ids: tok.decode(ids))
+        decode=lambda ids: tok.decode(ids),
+        # the text up to EOS, special tokens written out: equal answers <=> equal exact match
+        final_answer=lambda ids, mask: [tok.decode(v, skip_special_tokens=False) if done else None
+                                        for v, done in _until_eos(ids, mask, data.EOS_ID)])
 
 
 def _prompt_arrays(prompts: data.PromptData, prompt_len: int, pad_id: int) -> dict:
@@ -107,7 +131,10 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
         eos_id=tok.eos_token_id, prompt_len=prompt_len, response_len=cfg.max_new_tokens, sft=None,
         prompts=_prompt_arrays(train, prompt_len, pad_id), test_prompts=_prompt_arrays(test, prompt_len, pad_id),
         pairs=None, test_pairs=None, reward=reward, extra_keys=("answer",),
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        # what `final_answer_reward` compares: the extracted final answer of the text before EOS
+        final_answer=lambda ids, mask: [data.extract_final_answer(tok.decode(v, skip_special_tokens=True))
+                                        for v, _ in _until_eos(ids, mask, tok.eos_token_id)])
 
 
 TASKS = {"addition": addition, "jsonl": jsonl}
@@ -126,51 +153,90 @@ def host_extras(batch: dict, keys) -> dict:
     return {k: list(batch[k]) if batch[k].dtype == object else batch[k] for k in keys}
 
 
-def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, placement=None):
-    """`accuracy(params) -> {"accuracy", "reward"}`: greedy decoding on the held-out prompts.
+def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, placement=None,
+                     sampled: SampledEval | None = None, seed: int = 0):
+    """`accuracy(params) -> {"accuracy", "reward", ...}`: the held-out evaluation.
 
-    `accuracy` is the mean of the reward's first component (the exact-match reward of the
-    built-in tasks); `reward` the mean of the full weighted reward. Host rewards run on
-    the decoded text.
+    Greedy decoding: `accuracy` is the mean of the reward's first component (the
+    exact-match reward of the built-in tasks); `reward` the mean of the full weighted
+    reward. Host rewards run on the decoded text.
+
+    Sampled (`sampled`, a `runs.evaluation.SampledEval`, e.g. from `config.train.eval_samples`
+    > 0): n responses per prompt at temperature τ, scored by the same code as the greedy
+    ones; a sample is correct when the reward's first component is >= 0.5 (the 0/1 exact
+    match of the built-in tasks). Adds `mean@<n>`, and `pass@k` and `maj@k` for each k
+    (`evaluation.sampled_metrics`; maj@k votes over `task.answers`). The noise is fixed:
+    sample j of held-out prompt i is row i·n + j of `sample(..., rng=jax.random.key(seed))`
+    at every call, so two evaluations differ only by the parameters, and the numbers do not
+    depend on the batch size or the mesh. A sampled batch holds `batch_size // n` prompts
+    (`batch_size` counts sequences).
 
     `placement` (a `sharding.Placement`, default: one local device): `params` may be
     sharded on its mesh, across processes too. Every process holds the whole held-out
     set; each batch's prompt rows are split over the batch shards (padded with copies of
-    the last prompt to divide) and the outputs come back replicated, so every process
+    the last prompt to divide, and a short last batch to the size of the others) and the outputs come back replicated, so every process
     computes the same numbers (call it on every process).
     """
     from jaxrlhf.runs.sharding import Placement, pad_rows
 
     placement = placement or Placement.local()
     p = task.test_prompts
-    n = p["prompt_ids"].shape[0]
+    num_prompts = p["prompt_ids"].shape[0]
+    first = task.reward.components[0].name
+    decode_kw = dict(max_new_tokens=task.response_len, eos_id=task.eos_id, pad_id=task.pad_id)
 
     def greedy(params, prompt_ids, prompt_mask):
-        return sample(model, params, prompt_ids, prompt_mask, jax.random.key(0), max_new_tokens=task.response_len,
-                      temperature=0.0, eos_id=task.eos_id, pad_id=task.pad_id)
+        return sample(model, params, prompt_ids, prompt_mask, jax.random.key(0), temperature=0.0, **decode_kw)
+
+    def draw(params, prompt_ids, prompt_mask, first_row):
+        return sample(model, params, prompt_ids, prompt_mask, jax.random.key(seed), temperature=sampled.temperature,
+                      num_samples=sampled.num_samples, first_row=first_row, **decode_kw)
 
     decode_greedy = jax.jit(greedy, out_shardings=placement.replicated)
+    decode_sampled = jax.jit(draw, out_shardings=placement.replicated)
     device_scores = jax.jit(lambda out, extras: task.reward.device_scores(rewards.RewardInput.from_sample(out), extras),
                             out_shardings=placement.replicated)
 
+    def batches(prompts_per_batch):
+        """(first prompt, host batch, its rows, its prompts padded and placed on the mesh).
+        Every batch is padded to the same rows, so a short last batch compiles nothing new."""
+        padded_rows = placement.padded_rows(min(prompts_per_batch, num_prompts))
+        for i in range(0, num_prompts, prompts_per_batch):
+            batch = {k: v[i:i + prompts_per_batch] for k, v in p.items()}
+            rows = batch["prompt_ids"].shape[0]
+            padded = pad_rows({k: batch[k] for k in ("prompt_ids", "prompt_mask")}, padded_rows)
+            yield i, batch, rows, placement.put_rows(padded)
+
+    def score(out, batch, rows, repeat):
+        """(reward components `[rows·repeat]`, `out` on the host) of the first rows·repeat
+        rows of `out`, the responses to the prompts of `batch`, `repeat` per prompt."""
+        extras = host_extras({k: np.repeat(batch[k], repeat, axis=0) for k in task.extra_keys}, task.extra_keys)
+        arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
+        if arrays:
+            arrays = placement.put_rows(pad_rows(arrays, out.response_ids.shape[0]))
+        n = rows * repeat
+        parts = {k: np.asarray(v)[:n] for k, v in placement.fetch(device_scores(out, arrays)).items()}
+        out = jax.tree.map(lambda x: x[:n], placement.fetch(out))
+        if not task.reward.is_jax:
+            parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(out), extras))
+        return parts, out
+
+    def sampled_eval(params) -> dict:
+        n = sampled.num_samples
+        correct, answers = [], []
+        for i, batch, rows, placed in batches(max(1, batch_size // n)):
+            out = decode_sampled(params, placed["prompt_ids"], placed["prompt_mask"], np.int32(i * n))
+            parts, out = score(out, batch, rows, n)
+            correct.append(np.asarray(parts[first]).reshape(rows, n) >= 0.5)
+            flat = task.answers(np.asarray(out.response_ids), np.asarray(out.response_mask))
+            answers += [flat[r * n:(r + 1) * n] for r in range(rows)]
+        return sampled_metrics(np.concatenate(correct), answers, sampled.ks)
+
     def accuracy(params, *, return_samples: int = 0):
         totals, exact, samples = [], [], []
-        first = task.reward.components[0].name
-        for i in range(0, n, batch_size):
-            sl = slice(i, i + batch_size)
-            batch = {k: p[k][sl] for k in p}
-            rows = batch["prompt_ids"].shape[0]
-            padded = pad_rows({k: batch[k] for k in ("prompt_ids", "prompt_mask")}, placement.padded_rows(rows))
-            placed = placement.put_rows(padded)
+        for _, batch, rows, placed in batches(batch_size):
             out = decode_greedy(params, placed["prompt_ids"], placed["prompt_mask"])
-            extras = host_extras(batch, task.extra_keys)
-            arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
-            if arrays:
-                arrays = placement.put_rows(pad_rows(arrays, placement.padded_rows(rows)))
-            parts = {k: np.asarray(v)[:rows] for k, v in placement.fetch(device_scores(out, arrays)).items()}
-            out = jax.tree.map(lambda x: x[:rows], placement.fetch(out))
-            if not task.reward.is_jax:
-                parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(out), extras))
+            parts, out = score(out, batch, rows, 1)
             totals.append(np.asarray(task.reward.total(parts)))
             exact.append(np.asarray(parts[first]))
             ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
@@ -178,6 +244,8 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
                 prompt = task.decode(batch["prompt_ids"][j][batch["prompt_mask"][j]])
                 samples.append((prompt, task.decode(ids[j][mask[j]]), float(exact[-1][j])))
         result = {"accuracy": float(np.concatenate(exact).mean()), "reward": float(np.concatenate(totals).mean())}
+        if sampled is not None:
+            result.update(sampled_eval(params))
         return (result, samples) if return_samples else result
 
     return accuracy
