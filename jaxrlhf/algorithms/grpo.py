@@ -51,8 +51,6 @@ PyTree = Any
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 RATIO_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +124,7 @@ class GRPOConfig:
         if not isinstance(self.sampling, SamplingConfig):
             fail(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         for name, allowed in (("advantage", ADVANTAGES), ("ratio_level", RATIO_LEVELS),
-                              ("kl_estimator", KL_ESTIMATORS), ("agg", AGG_MODES)):
+                              ("kl_estimator", ops.KL_ESTIMATORS), ("agg", ops.AGGREGATE_MODES)):
             if getattr(self, name) not in allowed:
                 fail(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
         g = self.sampling.num_samples

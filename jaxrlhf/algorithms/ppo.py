@@ -54,11 +54,9 @@ from jaxrlhf.rollout.sampler import sample
 
 PyTree = Any
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_WHITENING = (None, "batch", "running")
 MISSING_EOS_MODES = ("subtract", "replace")
 CRITIC_MODES = ("separate", "shared")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 # --------------------------------------------------------------------------------------
@@ -139,8 +137,8 @@ class PPOConfig:
 
         if not isinstance(self.sampling, SamplingConfig):
             bad(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            bad(f"kl_estimator={self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        if self.kl_estimator not in ops.KL_ESTIMATORS:
+            bad(f"kl_estimator={self.kl_estimator!r}; expected one of {ops.KL_ESTIMATORS}")
         # The controller config validates kl_coef / kl_target / kl_horizon.
         try:
             self.kl_config
@@ -174,8 +172,8 @@ class PPOConfig:
             bad(f"vf_coef must be >= 0, got {self.vf_coef}")
         if not self.ent_coef >= 0:
             bad(f"ent_coef must be >= 0, got {self.ent_coef}")
-        if self.agg not in AGG_MODES:
-            bad(f"agg={self.agg!r}; expected one of {AGG_MODES}")
+        if self.agg not in ops.AGGREGATE_MODES:
+            bad(f"agg={self.agg!r}; expected one of {ops.AGGREGATE_MODES}")
         for name in ("num_ppo_epochs", "num_minibatches", "num_microbatches"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
