@@ -2,8 +2,9 @@
 
 Actor (trained, LM head), critic (trained: its own "score"-head `Transformer`, or a value
 head on the actor's trunk, `head="lm_value"`), reference (frozen copy of the starting
-actor) and reward (frozen; a reward-model `Transformer` or any JAX reward function). One
-iteration, compiled into one XLA program by `make_iteration`:
+actor) and reward (a `rewards.Reward`: a frozen reward-model `Transformer`, whose params
+the state holds, or JAX reward functions; see `scoring.compiled_reward`). One iteration,
+compiled into one XLA program by `make_iteration`:
 
     prompts → sample (actor) → score_rollout: old logp, ref logp, values, RM score
             → process_scores: missing-EOS penalty, whitening, clipping
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrlhf import ops
-from jaxrlhf.algorithms import kl_controller
+from jaxrlhf import ops, rewards
+from jaxrlhf.algorithms import kl_controller, scoring
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
@@ -49,7 +49,7 @@ from jaxrlhf.algorithms.common import (
     tree_finite,
 )
 from jaxrlhf.algorithms.experience import SamplingConfig
-from jaxrlhf.models.transformer import Transformer, score_at_last_token
+from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.rollout.sampler import sample
 
 PyTree = Any
@@ -196,130 +196,7 @@ class PPOConfig:
 
 
 # --------------------------------------------------------------------------------------
-# Rewards: reward model or JAX function, one calling convention
-
-
-class RewardInputs(NamedTuple):
-    """What a reward sees. sequences/attention_mask `[N, P+T]` (prompt ⧺ response),
-    response_ids/response_mask `[N, T]`, extras: a pytree of `[N, ...]` arrays or None."""
-
-    sequences: jax.Array
-    attention_mask: jax.Array
-    response_ids: jax.Array
-    response_mask: jax.Array
-    extras: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Reward:
-    """A reward in the form PPO calls it: `fn(params, RewardInputs) -> scores [N]`.
-
-    `fn` returns the scores, or `(scores, metrics)` with extra scalar metrics to report.
-    `params` are the frozen reward-model parameters kept in `PPOState.reward_params` (None
-    for a parameter-free reward); `vocab_size` is checked against the policy's when known.
-    Build one with `as_reward`.
-    """
-
-    fn: Callable[[PyTree, RewardInputs], jax.Array | tuple[jax.Array, dict]]
-    vocab_size: int | None = None
-    name: str = "reward"
-
-
-def _model_reward(model: Transformer) -> Reward:
-    if model.head != "score":
-        raise ValueError(f"the reward model must be a Transformer with head='score', got head={model.head!r}")
-
-    def fn(params, inp: RewardInputs):
-        out = model.apply({"params": jax.lax.stop_gradient(params)}, inp.sequences, inp.attention_mask,
-                          compute_logits=False)
-        return score_at_last_token(out.values, inp.attention_mask)
-
-    return Reward(fn, model.config.vocab_size, "reward_model")
-
-
-def sequence_reward(fn: Callable[[jax.Array, jax.Array], jax.Array], *, vocab_size: int | None = None) -> Reward:
-    """A JAX reward on whole sequences: `fn(sequences [N, P+T], attention_mask) -> [N]`."""
-    return Reward(lambda _, inp: fn(inp.sequences, inp.attention_mask), vocab_size, "sequence_reward")
-
-
-def response_reward(fn: Callable[[jax.Array, jax.Array, Any], jax.Array]) -> Reward:
-    """A JAX reward on responses: `fn(response_ids [N, T], response_mask [N, T], extras) -> [N]`."""
-    return Reward(lambda _, inp: fn(inp.response_ids, inp.response_mask, inp.extras), None, "response_reward")
-
-
-def as_reward(reward) -> tuple[Reward, PyTree]:
-    """Normalises the accepted reward forms to `(Reward, params or None)`:
-
-    - `(Transformer(head="score"), params)`: a reward model, scored at the last valid token
-      of prompt ⧺ response (`models.score_at_last_token`);
-    - `Transformer(head="score")`: the same, params given separately (`init_state(...,
-      reward_params=...)`);
-    - a `Reward` (see `sequence_reward`, `response_reward`);
-    - a `jaxrlhf.rewards.Reward` whose components are all JAX rewards or reward models
-      (`rewards.jax_reward`, `rewards.model_reward(reward_model.score_fn(model, params))`,
-      `rewards.combine`); its component means are reported as `reward/<name>`;
-    - a plain callable: with 3 positional parameters it is taken as
-      `fn(response_ids, response_mask, extras)`, with 2 as `fn(sequences, attention_mask)`.
-
-    Host-side (text) rewards cannot run inside the jitted iteration: score on host and
-    pass a JAX function of the token ids instead.
-    """
-    if isinstance(reward, tuple) and len(reward) == 2 and isinstance(reward[0], Transformer):
-        return _model_reward(reward[0]), reward[1]
-    if isinstance(reward, Transformer):
-        return _model_reward(reward), None
-    if isinstance(reward, Reward):
-        return reward, None
-    converted = _from_rewards_module(reward)
-    if converted is not None:
-        return converted
-    if callable(reward):
-        try:
-            params = [p for p in inspect.signature(reward).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-        except (TypeError, ValueError):
-            params = []
-        if len(params) == 3:
-            return response_reward(reward), None
-        if len(params) == 2:
-            return sequence_reward(reward), None
-        raise TypeError(f"cannot tell how to call reward {reward!r}: wrap it in ppo.response_reward(fn) "
-                        f"(fn(response_ids, response_mask, extras)) or ppo.sequence_reward(fn) "
-                        f"(fn(sequences, attention_mask))")
-    raise TypeError(f"unsupported reward {type(reward).__name__}: pass (Transformer(head='score'), params), "
-                    f"a Transformer, a ppo.Reward, or a JAX callable")
-
-
-def _from_rewards_module(reward):
-    """A `jaxrlhf.rewards.Reward` (JAX and reward-model components) as a PPO `Reward`, else None.
-
-    Its weighted total is the score; each component's mean is reported as `reward/<name>`.
-    A reward with host (text) components cannot run inside the compiled iteration.
-    """
-    try:
-        from jaxrlhf import rewards as rewards_mod
-    except ImportError:
-        return None
-    if not isinstance(reward, getattr(rewards_mod, "Reward", ())):
-        return None
-    if not reward.is_jax:
-        raise TypeError("a reward with host-side (text) components cannot run inside the jitted PPO iteration; "
-                        "use JAX rewards on token ids or a reward model")
-
-    def fn(_, inp: RewardInputs):
-        p = inp.sequences.shape[1] - inp.response_ids.shape[1]
-        r_in = rewards_mod.RewardInput(inp.sequences[:, :p], inp.attention_mask[:, :p], inp.response_ids,
-                                       inp.response_mask, inp.sequences, inp.attention_mask)
-        parts = reward.device_scores(r_in, {} if inp.extras is None else inp.extras)
-        return reward.total(parts), reward.metrics(parts)
-
-    return Reward(fn, None, "rewards.Reward"), None
-
-
-def check_vocab(policy_vocab: int, other_vocab: int | None, what: str = "reward model") -> None:
-    if other_vocab is not None and int(other_vocab) != int(policy_vocab):
-        raise ValueError(f"policy vocab_size {policy_vocab} != {what} vocab_size {other_vocab} — "
-                         f"the {what} must share the policy tokenizer")
+# Models
 
 
 def _check_models(actor_model: Transformer, critic_model: Transformer | None, cfg: PPOConfig):
@@ -336,7 +213,7 @@ def _check_models(actor_model: Transformer, critic_model: Transformer | None, cf
             raise ValueError("critic='separate' needs a critic_model (Transformer with head='score')")
         if critic_model.head != "score":
             raise ValueError(f"the critic must be a Transformer with head='score', got head={critic_model.head!r}")
-        check_vocab(actor_model.config.vocab_size, critic_model.config.vocab_size, "critic")
+        scoring.check_vocab(actor_model.config.vocab_size, critic_model.config.vocab_size, "critic")
 
 
 # --------------------------------------------------------------------------------------
@@ -400,8 +277,9 @@ def init_state(
 ) -> PPOState:
     """Builds the PPO state; checks models, heads and vocabularies.
 
-    reward: any form `as_reward` accepts (its params, if any, are stored frozen);
-      `reward_params` overrides/gives them. ref_params: defaults to a copy of actor_params.
+    reward: any form `scoring.compiled_reward` accepts (its params, if any, are stored
+      frozen); `reward_params` overrides/gives them. ref_params: defaults to a copy of
+      actor_params.
 
     The state holds `actor_params` / `critic_params` themselves (no copy): `make_iteration`
     donates the trained part of the state by default, after which those arrays are
@@ -410,8 +288,8 @@ def init_state(
     """
     _check_models(actor_model, critic_model, cfg)
     if reward is not None:
-        spec, params_from_reward = as_reward(reward)
-        check_vocab(actor_model.config.vocab_size, spec.vocab_size)
+        spec, params_from_reward = scoring.compiled_reward(reward)
+        scoring.check_reward_vocab(actor_model.config.vocab_size, spec)
         if reward_params is None:
             reward_params = params_from_reward
     copy = lambda tree: jax.tree.map(jnp.array, tree)  # own buffers: the state may be donated
@@ -458,7 +336,7 @@ class Rollout(NamedTuple):
 def score_rollout(
     actor_model: Transformer,
     critic_model: Transformer | None,
-    reward: Reward,
+    reward: rewards.Reward,
     state: PPOState,
     sequences: jax.Array,
     attention_mask: jax.Array,
@@ -470,7 +348,8 @@ def score_rollout(
 ) -> Rollout:
     """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
     logp, values (critic, or the actor's value head when shared — one pass), and the reward
-    score (for a reward model: at the last valid token). All without gradient."""
+    score: `reward`'s weighted total, its JAX components given `extras` (a dict of `[N, ...]`
+    arrays) and its reward model `state.reward_params`. All without gradient."""
     tau = cfg.sampling.temperature
     actor_params = jax.lax.stop_gradient(state.actor.params)
     old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
@@ -480,14 +359,11 @@ def score_rollout(
     if not cfg.shared:
         _, values = response_hidden(critic_model, jax.lax.stop_gradient(state.critic.params), sequences,
                                     attention_mask, prompt_len)
-    response_ids = sequences[:, prompt_len:]
-    response_mask = attention_mask[:, prompt_len:].astype(bool)
-    scores = reward.fn(state.reward_params, RewardInputs(sequences, attention_mask, response_ids,
-                                                          response_mask, extras))
-    reward_metrics = {}
-    if isinstance(scores, tuple):
-        scores, reward_metrics = scores
-    scores = jnp.asarray(scores, jnp.float32).reshape(sequences.shape[0])
+    inputs = rewards.RewardInput.from_sequences(sequences, attention_mask, prompt_len)
+    response_ids, response_mask = inputs.response_ids, inputs.response_mask
+    parts = reward.device_scores(inputs, {} if extras is None else extras, state.reward_params)
+    reward_metrics = reward.metrics(parts)
+    scores = jnp.asarray(reward.total(parts), jnp.float32).reshape(sequences.shape[0])
     if sampler_logp is None:
         sampler_logp = old_logp
     return Rollout(sequences, attention_mask, response_ids, response_mask, old_logp, ref_logp, sampler_logp,
@@ -718,7 +594,7 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
     return out
 
 
-def _phases(actor_model, critic_model, reward: Reward, tx_actor, tx_critic, cfg: PPOConfig):
+def _phases(actor_model, critic_model, reward: rewards.Reward, tx_actor, tx_critic, cfg: PPOConfig):
     """The three phases of an iteration as traceable functions."""
     s = cfg.sampling
 
@@ -771,10 +647,10 @@ def make_iteration(
 ) -> Callable[..., tuple[PPOState, dict]]:
     """`iteration(state, prompt_ids [B, P], prompt_mask [B, P], rng, extras=None) -> (state, metrics)`.
 
-    reward_model: any form `as_reward` accepts; a reward model's params are read from
-      `state.reward_params` (a `(model, params)` tuple's params are NOT baked in: give them
-      to `init_state`). extras: a pytree of `[B, ...]` arrays handed to a response reward
-      (repeated for the G samples of a prompt).
+    reward_model: any form `scoring.compiled_reward` accepts; a reward model's params are
+      read from `state.reward_params` (a `(model, params)` tuple's params are NOT baked in:
+      give them to `init_state`). extras: a dict of `[B, ...]` arrays handed to the JAX
+      reward components (repeated for the G samples of a prompt).
     lr_schedule: the actor's schedule, to report `lr`.
     fused=True: rollout, scoring, GAE and all epochs are ONE jitted program. With `donate`
       the trained part of the state (actor, critic and their optimizer states) is donated;
@@ -785,8 +661,8 @@ def make_iteration(
     The RNG of iteration `i` is `fold_in(rng, state.step)`: pass the same base key every time.
     """
     _check_models(actor_model, critic_model, cfg)
-    reward, _ = as_reward(reward_model)
-    check_vocab(actor_model.config.vocab_size, reward.vocab_size)
+    reward, _ = scoring.compiled_reward(reward_model)
+    scoring.check_reward_vocab(actor_model.config.vocab_size, reward)
     if not cfg.shared and tx_critic is None:
         raise ValueError("critic='separate' needs tx_critic")
     rollout, score, train = _phases(actor_model, critic_model, reward, tx_actor, tx_critic, cfg)
