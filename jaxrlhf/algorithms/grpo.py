@@ -37,15 +37,14 @@ from typing import Any, Callable, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import common
-from jaxrlhf.algorithms.experience import SamplingConfig, score_responses
+from jaxrlhf.algorithms import common, scoring
+from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.rollout.sampler import SampleOutput, sample
+from jaxrlhf.rollout.sampler import SampleOutput
 
 PyTree = Any
 
@@ -468,35 +467,15 @@ def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, g
 # --------------------------------------------------------------------------- iteration
 
 
-def _repeat_rows(extras, g: int, n_prompts: int):
-    def rep(x):
-        x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] != n_prompts:
-            raise ValueError(f"extras arrays must have one row per prompt ([B, ...] with B = {n_prompts}), "
-                             f"got shape {x.shape}")
-        return jnp.repeat(x, g, axis=0)
-    return {k: rep(v) for k, v in extras.items()}
-
-
-def _split_extras(extras):
-    extras = {} if extras is None else dict(extras)
-    arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
-    others = {k: v for k, v in extras.items() if not hasattr(v, "shape")}
-    return arrays, others
-
-
 def rollout(state: GRPOState, prompt_ids, prompt_mask, extras, rng, *, model: Transformer, cfg: GRPOConfig,
             reward: rewards_lib.Reward) -> tuple[SampleOutput, dict]:
     """Samples G responses per prompt and runs the reward's JAX components on them.
 
     Returns: `(SampleOutput [N = B·G], {component: [N] scores})`.
     """
-    s = cfg.sampling
     key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
-    out = sample(model, state.policy.params, prompt_ids, prompt_mask, key, max_new_tokens=s.max_new_tokens,
-                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_id=s.eos_id, pad_id=s.pad_id,
-                 num_samples=s.num_samples)
-    extras_N = _repeat_rows(extras, s.num_samples, prompt_ids.shape[0])
+    out = sample_responses(model, state.policy.params, prompt_ids, prompt_mask, key, cfg.sampling)
+    extras_N = scoring.repeat_extras(extras, cfg.group_size, prompt_ids.shape[0])
     return out, reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N)
 
 
@@ -584,7 +563,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
             return learn_(state, out, scores, rng)
 
         def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
-            arrays, _ = _split_extras(extras)
+            arrays, _ = scoring.split_extras(extras)
             return fused(state, prompt_ids, prompt_mask, arrays, _key(rng))
 
         iteration.is_single_program = True
@@ -596,18 +575,11 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     g = cfg.group_size
 
     def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
-        arrays, others = _split_extras(extras)
+        arrays, _ = scoring.split_extras(extras)
         rng = _key(rng)
         out, scores = roll_jit(state, prompt_ids, prompt_mask, arrays, rng)
         t0 = time.perf_counter()
-        host_out = jax.device_get(out)
-        host_extras = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in arrays.items()}
-        for k_, v in others.items():
-            v = list(v)
-            if len(v) != prompt_ids.shape[0]:
-                raise ValueError(f"extras[{k_!r}] has {len(v)} entries; expected one per prompt ({prompt_ids.shape[0]})")
-            host_extras[k_] = [x for x in v for _ in range(g)]
-        host = reward.host_scores(rewards_lib.RewardInput.from_sample(host_out), host_extras)
+        host = scoring.host_scores(reward, jax.device_get(out), extras, g)
         dt = time.perf_counter() - t0
         state, metrics = learn_jit(state, out, {**scores, **host}, rng)
         metrics = dict(metrics)

@@ -48,9 +48,8 @@ from jaxrlhf.algorithms.common import (
     response_logprobs,
     tree_finite,
 )
-from jaxrlhf.algorithms.experience import SamplingConfig
+from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.rollout.sampler import sample
 
 PyTree = Any
 
@@ -599,9 +598,7 @@ def _phases(actor_model, critic_model, reward: rewards.Reward, tx_actor, tx_crit
     s = cfg.sampling
 
     def rollout(state: PPOState, prompt_ids, prompt_mask, rng):
-        out = sample(actor_model, state.actor.params, prompt_ids, prompt_mask, rng,
-                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                     eos_id=s.eos_id, pad_id=s.pad_id, num_samples=s.num_samples)
+        out = sample_responses(actor_model, state.actor.params, prompt_ids, prompt_mask, rng, s)
         return out.sequences, out.attention_mask, out.logprobs
 
     def score(state: PPOState, sequences, attention_mask, sampler_logp, extras):
@@ -625,12 +622,6 @@ def _phases(actor_model, critic_model, reward: rewards.Reward, tx_actor, tx_crit
         return state.replace(step=state.step + 1), metrics
 
     return rollout, score, train
-
-
-def _repeat_extras(extras, g):
-    if extras is None or g == 1:
-        return extras
-    return jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), extras)
 
 
 def make_iteration(
@@ -675,7 +666,7 @@ def make_iteration(
         key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
         lr = lr_of(state)
         seq, attn, slogp = rollout(state, prompt_ids, prompt_mask, key_sample)
-        state, batch, m_roll = score(state, seq, attn, slogp, _repeat_extras(extras, g))
+        state, batch, m_roll = score(state, seq, attn, slogp, scoring.repeat_extras(extras, g, prompt_ids.shape[0]))
         state, m_upd = train(state, batch, key_update)
         finite = m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
         return state, {**m_roll, **m_upd, **lr, "finite": finite}
@@ -695,7 +686,8 @@ def make_iteration(
         t0 = time.perf_counter()
         seq, attn, slogp = jax.block_until_ready(j_rollout(state, prompt_ids, prompt_mask, key_sample))
         t1 = time.perf_counter()
-        state, batch, m_roll = jax.block_until_ready(j_score(state, seq, attn, slogp, _repeat_extras(extras, g)))
+        extras_n = scoring.repeat_extras(extras, g, prompt_ids.shape[0])
+        state, batch, m_roll = jax.block_until_ready(j_score(state, seq, attn, slogp, extras_n))
         t2 = time.perf_counter()
         state, m_upd = jax.block_until_ready(j_train(state, batch, key_update))
         t3 = time.perf_counter()

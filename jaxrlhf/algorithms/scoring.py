@@ -4,13 +4,18 @@ GRPO family).
 Every reward is a `jaxrlhf.rewards.Reward` (JAX, host and reward-model components);
 `compiled_reward` turns the shorter forms PPO accepts (a reward-model `Transformer`, bare
 callables) into one, with the reward model's parameters kept apart so that they stay an
-argument of the compiled program.
+argument of the compiled program. An iteration gets reward `extras` per prompt `[B, ...]`;
+the rewards see them per response, `N = B·G` rows (`repeat_extras` inside the program,
+`host_scores` for the host components between two programs).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf import rewards
 from jaxrlhf.algorithms import reward_model
@@ -73,3 +78,39 @@ def check_reward_vocab(policy_vocab: int, reward: rewards.Reward) -> None:
     """`check_vocab` for every component of `reward` whose vocabulary is known."""
     for c in reward.components:
         check_vocab(policy_vocab, c.vocab_size)
+
+
+def split_extras(extras: Mapping[str, Any] | None) -> tuple[dict, dict]:
+    """`(arrays, others)`: the extras a compiled program can take (those with a shape) and
+    the rest (e.g. lists of answer strings, for host rewards only)."""
+    extras = {} if extras is None else dict(extras)
+    arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
+    others = {k: v for k, v in extras.items() if not hasattr(v, "shape")}
+    return arrays, others
+
+
+def repeat_extras(extras: Mapping[str, Any] | None, g: int, n_prompts: int) -> dict:
+    """Extras of `n_prompts` prompts (`[B, ...]` arrays) for their `B·G` responses: each row
+    repeated `g` times, a prompt's samples contiguous (traceable)."""
+    def rep(x):
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] != n_prompts:
+            raise ValueError(f"extras arrays must have one row per prompt ([B, ...] with B = {n_prompts}), "
+                             f"got shape {x.shape}")
+        return jnp.repeat(x, g, axis=0)
+    return {k: rep(v) for k, v in ({} if extras is None else extras).items()}
+
+
+def host_scores(reward: rewards.Reward, out, extras: Mapping[str, Any] | None, g: int) -> dict[str, np.ndarray]:
+    """`{name: [N]}` of the host components of `reward` on the sampled responses `out` (a
+    `rollout.SampleOutput` of numpy arrays, `N = B·G` rows), given the prompts' `extras`:
+    arrays repeated per sample with numpy, lists of `B` values (e.g. answer strings) too."""
+    n_prompts = out.response_ids.shape[0] // g
+    arrays, others = split_extras(extras)
+    per_sample = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in arrays.items()}
+    for k, v in others.items():
+        v = list(v)
+        if len(v) != n_prompts:
+            raise ValueError(f"extras[{k!r}] has {len(v)} entries; expected one per prompt ({n_prompts})")
+        per_sample[k] = [x for x in v for _ in range(g)]
+    return reward.host_scores(rewards.RewardInput.from_sample(out), per_sample)
