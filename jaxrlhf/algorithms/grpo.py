@@ -429,14 +429,8 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     if cfg.beta > 0 and batch.ref_logp is None:
         raise ValueError("GRPO update: beta > 0 needs ref_logp in the batch (init_state(..., ref_params=...))")
     mb_size = n // m
-    if m > 1:
-        perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, mu))
-        index = perms.reshape(mu * m, mb_size)
-    else:
-        index = jnp.zeros((mu, 0), jnp.int32)  # the whole batch each pass
 
-    def step(policy, idx):
-        mb = batch if m == 1 else jax.tree.map(lambda x: x[idx], batch)
+    def step(policy, mb):
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
                                        total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1))
@@ -444,17 +438,10 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
         policy, finite = common.apply_if_finite(policy, grads, tx, loss)
         return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
 
-    policy, stacked = jax.lax.scan(step, state.policy, index)
-    metrics = {}
-    for name, values in stacked.items():
-        if name == "finite":
-            metrics[name] = jnp.all(values)
-            metrics["skipped_steps"] = jnp.sum(~values)
-        else:
-            metrics[name] = common.reduce_metric(name, values)
-    metrics["first/ratio_max"] = stacked["ratio_max"][0]
-    metrics["first/ratio_min"] = stacked["ratio_min"][0]
-    metrics["first/approx_kl"] = stacked["approx_kl"][0]
+    # One minibatch: the whole batch each pass, unshuffled.
+    policy, stacked = common.minibatch_scan(step, state.policy, batch, rng, passes=mu, minibatches=m, shuffle=m > 1)
+    metrics = common.summarize_steps(stacked, skipped="skipped_steps",
+                                     first={f"first/{name}": name for name in ("ratio_max", "ratio_min", "approx_kl")})
     return state.replace(policy=policy), metrics
 
 

@@ -43,9 +43,11 @@ from jaxrlhf.algorithms.common import (
     accumulate_gradients,
     apply_if_finite,
     accumulation_scale,
-    reduce_metric,
+    jit_keeping_frozen,
+    minibatch_scan,
     response_hidden,
     response_logprobs,
+    summarize_steps,
     tree_finite,
 )
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses
@@ -525,18 +527,15 @@ def update(
     be 1: a mismatch means old log-probs do not match the trainer's forward pass).
     """
     n = batch["response_mask"].shape[0]
-    k, m = cfg.num_ppo_epochs, cfg.num_minibatches
+    m = cfg.num_minibatches
     if n % m:
         raise ValueError(f"{n} sequences do not split into num_minibatches={m}")
     mb_size = n // m
     if mb_size % cfg.num_microbatches:
         raise ValueError(f"minibatch of {mb_size} does not split into num_microbatches={cfg.num_microbatches}")
-    perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, k))
-    index = perms.reshape(k * m, mb_size)
 
-    def step(carry, idx):
+    def step(carry, mb):
         actor, critic = carry
-        mb = jax.tree.map(lambda x: x[idx], batch)
         total_tokens = jnp.sum(mb["response_mask"], dtype=jnp.float32)
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
                                total_tokens=total_tokens, total_seqs=mb_size)
@@ -552,12 +551,9 @@ def update(
             metrics["grad_norm_critic"] = optax.tree.norm(grads["critic"])
         return (new_actor, new_critic), metrics
 
-    (actor, critic), per_step = jax.lax.scan(step, (state.actor, state.critic), index)
-    metrics = {key: reduce_metric(key, v) for key, v in per_step.items() if key != "finite"}
-    metrics["finite"] = jnp.all(per_step["finite"])
-    metrics["skipped_updates"] = jnp.sum(~per_step["finite"]).astype(jnp.int32)
-    for key in _FIRST:
-        metrics[f"first_{key}"] = per_step[key][0]
+    (actor, critic), per_step = minibatch_scan(step, (state.actor, state.critic), batch, rng,
+                                               passes=cfg.num_ppo_epochs, minibatches=m)
+    metrics = summarize_steps(per_step, skipped="skipped_updates", first={f"first_{key}": key for key in _FIRST})
     return state.replace(actor=actor, critic=critic), metrics
 
 
@@ -624,6 +620,9 @@ def _phases(actor_model, critic_model, reward: rewards.Reward, tx_actor, tx_crit
     return rollout, score, train
 
 
+_FROZEN = ("ref_params", "reward_params")  # never donated nor copied by the compiled iteration
+
+
 def make_iteration(
     actor_model: Transformer,
     critic_model: Transformer | None,
@@ -672,13 +671,13 @@ def make_iteration(
         return state, {**m_roll, **m_upd, **lr, "finite": finite}
 
     if fused:
-        j_iteration = _jit_keeping_frozen(fused_iteration, donate)
+        j_iteration = jit_keeping_frozen(fused_iteration, _FROZEN, donate=donate)
         return lambda state, prompt_ids, prompt_mask, rng, extras=None: j_iteration(
             state, prompt_ids, prompt_mask, rng, extras)
 
     j_rollout = jax.jit(rollout)
     j_score = jax.jit(score)
-    j_train = _jit_keeping_frozen(train, donate)
+    j_train = jit_keeping_frozen(train, _FROZEN, donate=donate)
 
     def timed_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
         key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
@@ -698,24 +697,3 @@ def make_iteration(
                        "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
 
     return timed_iteration
-
-
-def _jit_keeping_frozen(fn, donate: bool):
-    """`jax.jit(fn)` for `fn(state, *args) -> (state, *outputs)` that donates the trained
-    part of the state (actor, critic, controller, statistics) but neither takes ownership
-    of nor copies the frozen reference and reward-model parameters: they are passed as
-    separate, non-donated arguments and put back into the returned state."""
-
-    def inner(trainable, frozen, *args):
-        state = trainable.replace(ref_params=frozen[0], reward_params=frozen[1])
-        state, *rest = fn(state, *args)
-        return (state.replace(ref_params=None, reward_params=None), *rest)
-
-    jitted = jax.jit(inner, donate_argnums=(0,) if donate else ())
-
-    def call(state, *args):
-        frozen = (state.ref_params, state.reward_params)
-        state, *rest = jitted(state.replace(ref_params=None, reward_params=None), frozen, *args)
-        return (state.replace(ref_params=frozen[0], reward_params=frozen[1]), *rest)
-
-    return call
