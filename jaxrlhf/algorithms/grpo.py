@@ -43,6 +43,7 @@ from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import common, scoring
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
+from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.rollout.sampler import SampleOutput
 
@@ -254,27 +255,8 @@ class Batch(NamedTuple):
     sampler_logp: jax.Array | None = None
 
 
-# --------------------------------------------------------------------------- scores
-
-
-def overlong_penalty(lengths: jax.Array, *, max_len: int, cache_len: int) -> jax.Array:
-    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13), lengths in tokens:
-
-        0                                  if len ≤ L_max − L_cache
-        ((L_max − L_cache) − len) / L_cache if L_max − L_cache < len ≤ L_max
-        −1                                 if len > L_max
-
-    Args:
-      lengths: `[N]` valid response tokens (EOS included).
-      max_len: L_max. cache_len: L_cache (0: a hard −1 beyond L_max only).
-
-    Returns: `[N]` float32 penalties in [−1, 0].
-    """
-    lengths = jnp.asarray(lengths, jnp.float32)
-    start = float(max_len - cache_len)
-    soft = (start - lengths) / max(float(cache_len), 1.0)
-    out = jnp.where(lengths <= start, 0.0, soft)
-    return jnp.where(lengths > max_len, -1.0, out).astype(jnp.float32)
+# --------------------------------------------------------------------------- advantages
+# (score shaping — DAPO's overlong_penalty, dynamic sampling's select_groups — is in scoring)
 
 
 def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Array) -> jax.Array:
@@ -295,41 +277,6 @@ def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Ar
                          f"G = sampling.num_samples = {g}; the batch must hold whole groups")
     adv = ops.group_advantages(scores, g, method=cfg.advantage, eps=cfg.adv_eps)
     return ops.broadcast_sequence(adv, response_mask)
-
-
-class GroupSelection(NamedTuple):
-    """Dynamic sampling's choice: `indices` `[K·G]` rows to keep, `has_signal` `[K]` for the
-    kept groups, `kept_fraction` (kept groups with signal / K) and `signal_fraction`
-    (groups with signal / groups sampled)."""
-
-    indices: jax.Array
-    has_signal: jax.Array
-    kept_fraction: jax.Array
-    signal_fraction: jax.Array
-
-
-def select_groups(scores: jax.Array, group_size: int, num_groups: int) -> GroupSelection:
-    """Keeps `num_groups` groups, those whose scores are not all equal first (in order),
-    then groups without signal as padding, so that the batch size stays fixed.
-
-    Args:
-      scores: `[M·G]` sequence scores of M ≥ num_groups contiguous groups.
-    """
-    n = scores.shape[0]
-    if n % group_size:
-        raise ValueError(f"select_groups: {n} scores do not split into groups of {group_size}")
-    m = n // group_size
-    if num_groups > m:
-        raise ValueError(f"dynamic sampling keeps {num_groups} groups per step but only {m} prompts were "
-                         "sampled: pass a prompt pool of at least prompts_per_step prompts")
-    s = scores.reshape(m, group_size)
-    has = jnp.max(s, axis=1) > jnp.min(s, axis=1)
-    order = jnp.argsort(jnp.where(has, 0, 1).astype(jnp.int32), stable=True)
-    keep = order[:num_groups]
-    indices = (keep[:, None] * group_size + jnp.arange(group_size)[None]).reshape(-1)
-    kept_signal = has[keep]
-    return GroupSelection(indices, kept_signal, jnp.mean(kept_signal.astype(jnp.float32)),
-                          jnp.mean(has.astype(jnp.float32)))
 
 
 # --------------------------------------------------------------------------- loss

@@ -51,6 +51,7 @@ from jaxrlhf.algorithms.common import (
     tree_finite,
 )
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses
+from jaxrlhf.algorithms.scoring import RunningMoments
 from jaxrlhf.models.transformer import Transformer
 
 PyTree = Any
@@ -222,30 +223,6 @@ def _check_models(actor_model: Transformer, critic_model: Transformer | None, cf
 
 
 @flax.struct.dataclass
-class RunningMoments:
-    """Mean and population variance of all scores seen so far (for "running" whitening)."""
-
-    count: jax.Array
-    mean: jax.Array
-    var: jax.Array
-
-    @classmethod
-    def create(cls) -> "RunningMoments":
-        return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32))
-
-    def update(self, x_N: jax.Array) -> "RunningMoments":
-        """Chan et al.'s parallel merge of (count, mean, M2) with a new batch."""
-        x = x_N.astype(jnp.float32)
-        n = jnp.float32(x.shape[0])
-        mean_b, var_b = jnp.mean(x), jnp.var(x)
-        total = self.count + n
-        delta = mean_b - self.mean
-        mean = self.mean + delta * n / total
-        m2 = self.var * self.count + var_b * n + jnp.square(delta) * self.count * n / total
-        return RunningMoments(total, mean, m2 / total)
-
-
-@flax.struct.dataclass
 class PPOState:
     """actor: TrainState (params include the value head when the trunk is shared).
     critic: TrainState of the separate critic, or None when shared.
@@ -381,8 +358,7 @@ def process_scores(
 ) -> tuple[jax.Array, RunningMoments]:
     """Raw scores → the scalars that go on the last token, in this order:
 
-    1. missing-EOS penalty (responses without `eos_id` among their valid tokens):
-       "subtract": `s − p`; "replace": `−p`;
+    1. missing-EOS penalty (`scoring.missing_eos_penalty`, mode `missing_eos_mode`);
     2. whitening: "batch" `(s − μ_batch)/sqrt(σ²_batch + 1e-8)`, or "running" with the
        running moments updated by this batch first;
     3. clipping to `[−reward_clip, reward_clip]`.
@@ -391,10 +367,8 @@ def process_scores(
     """
     s = scores_N.astype(jnp.float32)
     if cfg.missing_eos_penalty is not None:
-        has_eos = jnp.any((response_ids_NxT == cfg.sampling.eos_id) & response_mask_NxT.astype(bool), axis=1)
-        p = jnp.float32(cfg.missing_eos_penalty)
-        penalised = s - p if cfg.missing_eos_mode == "subtract" else jnp.full_like(s, -p)
-        s = jnp.where(has_eos, s, penalised)
+        s = scoring.missing_eos_penalty(s, response_ids_NxT, response_mask_NxT, eos_id=cfg.sampling.eos_id,
+                                        penalty=cfg.missing_eos_penalty, mode=cfg.missing_eos_mode)
     if cfg.reward_whitening == "batch":
         s = (s - jnp.mean(s)) / jnp.sqrt(jnp.var(s) + 1e-8)
     elif cfg.reward_whitening == "running":
