@@ -217,3 +217,7 @@ def select_groups(scores: jax.Array, group_size: int, num_groups: int) -> GroupS
     kept_signal = has[keep]
     return GroupSelection(indices, kept_signal, jnp.mean(kept_signal.astype(jnp.float32)),
                           jnp.mean(has.astype(jnp.float32)))
+
+
+__all__ = ["GroupSelection", "RunningMoments", "check_reward_vocab", "check_vocab", "compiled_reward", "host_scores",
+           "missing_eos_penalty", "overlong_penalty", "repeat_extras", "select_groups", "split_extras"]
