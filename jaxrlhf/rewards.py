@@ -11,7 +11,10 @@ Three kinds of reward, all returning one float per response (`N` responses):
   (not including) its first EOS and `extras["finished"]` says whether it had one.
 - **Reward models**: a JAX callable `(sequences [N, P + T], attention_mask [N, P + T]) ->
   [N]` on prompt ⧺ response, e.g. `reward_model.score_fn(model, params)`. Traced like a
-  JAX reward (the parameters it closes over become constants of the compiled program).
+  JAX reward (the parameters it closes over become constants of the compiled program),
+  or, with `takes_params=True`, `(params, sequences, attention_mask) -> [N]` with the
+  parameters given at call time (`device_scores(..., params=...)`), so that they stay an
+  argument of the program (`reward_model.as_reward(model)`; PPO keeps them in its state).
 
 `combine([(1.0, r1), (0.5, r2)])` sums weighted components; each component's mean is
 reported as a metric `reward/<name>`. Whether the combined reward is pure JAX
@@ -58,10 +61,20 @@ class RewardInput(NamedTuple):
         return cls(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.sequences,
                    out.attention_mask)
 
+    @classmethod
+    def from_sequences(cls, sequences, attention_mask, prompt_len: int) -> "RewardInput":
+        """From prompt ⧺ response `[N, P + T]` and the prompt length P (response mask as bool)."""
+        return cls(sequences[:, :prompt_len], attention_mask[:, :prompt_len], sequences[:, prompt_len:],
+                   attention_mask[:, prompt_len:].astype(bool), sequences, attention_mask)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Component:
-    """One reward: a callable of one of the three `KINDS`, its name and its weight."""
+    """One reward: a callable of one of the three `KINDS`, its name and its weight.
+
+    A "model" component with `takes_params` is called `fn(params, sequences,
+    attention_mask)`; `vocab_size` (when known) must match the policy's.
+    """
 
     fn: Callable
     kind: str
@@ -69,6 +82,8 @@ class Component:
     weight: float = 1.0
     tokenizer: Any = None
     eos_id: int | None = None
+    takes_params: bool = False
+    vocab_size: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -79,6 +94,8 @@ class Component:
             raise ValueError(f"host reward {self.name!r} needs a tokenizer to decode the responses")
         if not np.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {self.weight}")
+        if self.takes_params and self.kind != "model":
+            raise ValueError(f"reward {self.name!r}: only a reward model takes its parameters at call time")
 
     @property
     def is_jax(self) -> bool:
@@ -128,6 +145,8 @@ class Reward:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"reward component names must be unique, got duplicates {dupes}; pass name=...")
+        if sum(c.takes_params for c in self.components) > 1:
+            raise ValueError("a reward holds at most one reward model whose parameters are given at call time")
 
     @property
     def is_jax(self) -> bool:
@@ -138,13 +157,19 @@ class Reward:
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.components)
 
-    def device_scores(self, inputs: RewardInput, extras: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """`{name: [N] float32}` of the JAX and reward-model components (traceable)."""
+    def device_scores(self, inputs: RewardInput, extras: Mapping[str, Any], params: Any = None
+                      ) -> dict[str, jax.Array]:
+        """`{name: [N] float32}` of the JAX and reward-model components (traceable);
+        `params` are those of the component that `takes_params`, if any."""
         n = inputs.response_ids.shape[0]
         out = {}
         for c in self.components:
             if c.kind == "jax":
                 scores = c.fn(inputs.response_ids, inputs.response_mask, dict(extras))
+            elif c.takes_params:
+                if params is None:
+                    raise ValueError(f"reward {c.name!r} takes its parameters at call time: pass params=...")
+                scores = c.fn(params, inputs.sequences, inputs.attention_mask)
             elif c.kind == "model":
                 scores = c.fn(inputs.sequences, inputs.attention_mask)
             else:
@@ -188,14 +213,14 @@ class Reward:
         """`{"reward/<name>": mean}` for every component (unweighted means)."""
         return {f"reward/{c.name}": jnp.mean(jnp.asarray(scores[c.name], jnp.float32)) for c in self.components}
 
-    def __call__(self, inputs: RewardInput, extras: Mapping[str, Any] | None = None):
+    def __call__(self, inputs: RewardInput, extras: Mapping[str, Any] | None = None, params: Any = None):
         """Eager evaluation of every component: `(total [N], {name: [N]})`.
 
         Convenient on host; inside jit use `device_scores` (the host part cannot trace).
         """
         extras = {} if extras is None else extras
         dev_extras = {k: v for k, v in extras.items() if hasattr(v, "shape")}
-        scores = dict(self.device_scores(inputs, dev_extras))
+        scores = dict(self.device_scores(inputs, dev_extras, params))
         if not self.is_jax:
             scores.update(self.host_scores(jax.tree.map(np.asarray, inputs), extras))
         return self.total(scores), scores
@@ -223,9 +248,16 @@ def host_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: flo
     return Reward((Component(fn, "host", _name(fn, name), float(weight), tokenizer, eos_id),))
 
 
-def model_reward(score_fn: Callable, *, name: str = "reward_model", weight: float = 1.0) -> Reward:
-    """A reward model: `score_fn(sequences [N, P + T], attention_mask [N, P + T]) -> [N]`."""
-    return Reward((Component(score_fn, "model", name, float(weight)),))
+def model_reward(score_fn: Callable, *, name: str = "reward_model", weight: float = 1.0, takes_params: bool = False,
+                 vocab_size: int | None = None) -> Reward:
+    """A reward model: `score_fn(sequences [N, P + T], attention_mask [N, P + T]) -> [N]`.
+
+    With `takes_params=True` it is `score_fn(params, sequences, attention_mask)`, the
+    parameters passed to `device_scores` (a reward holds at most one such component).
+    `vocab_size`, when given, is the reward model's (checked against the policy's).
+    """
+    return Reward((Component(score_fn, "model", name, float(weight), takes_params=takes_params,
+                             vocab_size=vocab_size),))
 
 
 def as_reward(reward) -> Reward:

@@ -58,6 +58,25 @@ def test_reward_model_component_sees_prompt_and_response():
     assert rm.is_jax
 
 
+def test_reward_model_with_params_given_at_call_time():
+    inputs = _toy()
+    rm = rewards.model_reward(lambda w, seq, attn: w * jnp.sum(attn, axis=1).astype(jnp.float32), name="rm",
+                              takes_params=True, vocab_size=TOK.vocab_size)
+    reward = rewards.combine([(2.0, rm), (1.0, count5)])
+    assert reward.is_jax and reward.components[0].takes_params and reward.components[0].vocab_size == TOK.vocab_size
+    total = jax.jit(lambda w, x: reward.total(reward.device_scores(x, {}, w)))(jnp.float32(0.5), inputs)
+    np.testing.assert_allclose(total, [6 + 2, 4 + 1, 5 + 1])  # 2·0.5·(prompt 2 + response) + count5
+    np.testing.assert_allclose(reward(inputs, params=1.0)[0], [12 + 2, 8 + 1, 10 + 1])
+    with pytest.raises(ValueError, match="pass params"):
+        reward(inputs)
+    with pytest.raises(ValueError, match="at most one"):
+        rewards.combine([(1.0, rm), (1.0, rewards.model_reward(rm.components[0].fn, name="rm2", takes_params=True))])
+    # prompt ⧺ response split back into its parts
+    again = rewards.RewardInput.from_sequences(inputs.sequences, inputs.attention_mask, 2)
+    for a, b in zip(again, inputs):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_wrong_shape_or_dtype_names_the_reward():
     inputs = _toy()
     per_token = rewards.jax_reward(lambda ids, mask, ex: mask.astype(jnp.float32), name="per_token")

@@ -290,6 +290,37 @@ def accumulate_gradients(
     return loss, metrics, grads
 
 
+def minibatch_scan(step: Callable[[Any, PyTree], tuple[Any, dict]], carry, batch: PyTree, rng: jax.Array, *,
+                   passes: int, minibatches: int, shuffle: bool = True) -> tuple[Any, dict]:
+    """`passes × minibatches` optimizer steps over the `N` rows of `batch`, one `lax.scan`.
+
+    `step(carry, minibatch) -> (carry, metrics)`. With `shuffle`, each pass draws a fresh
+    permutation of the rows (one key of `rng` per pass) and cuts it into `minibatches`
+    equal minibatches; without, every step gets the whole batch as it is (one minibatch).
+
+    Returns: `(carry, metrics stacked over the steps)`, the steps in order.
+    """
+    if not shuffle:
+        return jax.lax.scan(lambda c, _: step(c, batch), carry, jnp.zeros((passes, 0), jnp.int32))
+    n = jax.tree.leaves(batch)[0].shape[0]
+    perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, passes))
+    index = perms.reshape(passes * minibatches, n // minibatches)
+    return jax.lax.scan(lambda c, idx: step(c, jax.tree.map(lambda x: x[idx], batch)), carry, index)
+
+
+def summarize_steps(stacked: dict, *, skipped: str, first: dict[str, str]) -> dict:
+    """One value per metric of a scan of optimizer steps (`minibatch_scan`): each reduced
+    over the steps as `reduce_metric` says, `finite` (True when no update was skipped),
+    `skipped` (the name of the count of skipped updates), and `first`: `{name: metric}`
+    read at the first step, the first minibatch of the first pass — where the ratio must
+    be 1 (a mismatch means the old log-probs do not match the trainer's forward pass)."""
+    metrics = {k: reduce_metric(k, v) for k, v in stacked.items() if k != "finite"}
+    metrics["finite"] = jnp.all(stacked["finite"])
+    metrics[skipped] = jnp.sum(~stacked["finite"]).astype(jnp.int32)
+    metrics.update({name: stacked[key][0] for name, key in first.items()})
+    return metrics
+
+
 def make_row_mean_step(
     loss_fn: Callable[[PyTree, PyTree], tuple[jax.Array, dict]],
     tx: optax.GradientTransformation,
@@ -323,6 +354,27 @@ def make_row_mean_step(
         return new_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
 
     return step
+
+
+def jit_keeping_frozen(fn: Callable, frozen: tuple[str, ...], *, donate: bool = True) -> Callable:
+    """`jax.jit(fn)` for `fn(state, *args) -> (state, *outputs)` on a `flax.struct` state
+    that donates the trained part of the state (with `donate`) but neither takes ownership
+    of nor copies its `frozen` fields (a frozen reference, reward-model parameters): they
+    are passed as separate, non-donated arguments and put back into the returned state."""
+    cleared = dict.fromkeys(frozen)
+
+    def inner(trainable, kept, *args):
+        state, *rest = fn(trainable.replace(**dict(zip(frozen, kept))), *args)
+        return (state.replace(**cleared), *rest)
+
+    jitted = jax.jit(inner, donate_argnums=(0,) if donate else ())
+
+    def call(state, *args):
+        kept = tuple(getattr(state, name) for name in frozen)
+        state, *rest = jitted(state.replace(**cleared), kept, *args)
+        return (state.replace(**dict(zip(frozen, kept))), *rest)
+
+    return call
 
 
 def apply_if_finite(state: TrainState, grads, tx: optax.GradientTransformation, loss,

@@ -16,7 +16,7 @@ import jax
 
 from jaxrlhf.algorithms.common import response_logprobs
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.rollout.sampler import sample
+from jaxrlhf.rollout.sampler import SampleOutput, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,15 @@ class Experience(NamedTuple):
         return self.sequences.shape[1] - self.response_ids.shape[1]
 
 
+def sample_responses(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+                     sampling: SamplingConfig) -> SampleOutput:
+    """`sampling.num_samples` responses to each of the `B` prompts `[B, P]` (left-padded),
+    `N = B·G` rows with each prompt's samples contiguous, drawn as `sampling` says."""
+    return sample(model, params, prompt_ids, prompt_mask, rng, max_new_tokens=sampling.max_new_tokens,
+                  temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples)
+
+
 def score_responses(model: Transformer, params, sequences, attention_mask, prompt_len: int, *, temperature: float,
                     group_size: int = 1):
     """`logp [N, T]` of the response tokens under `params` (no gradient needed); with
@@ -82,9 +91,7 @@ def generate_experience(
       prompt_ids, prompt_mask: `[B, P]`, left-padded.
       ref_params: the frozen reference policy's parameters (same architecture), or None.
     """
-    out = sample(model, params, prompt_ids, prompt_mask, rng, max_new_tokens=sampling.max_new_tokens,
-                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                 eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples)
+    out = sample_responses(model, params, prompt_ids, prompt_mask, rng, sampling)
     p = prompt_ids.shape[1]
     score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
                               prompt_len=p, temperature=sampling.temperature, group_size=sampling.num_samples)

@@ -37,22 +37,20 @@ from typing import Any, Callable, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import common
-from jaxrlhf.algorithms.experience import SamplingConfig, score_responses
+from jaxrlhf.algorithms import common, scoring
+from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
+from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.rollout.sampler import SampleOutput, sample
+from jaxrlhf.rollout.sampler import SampleOutput
 
 PyTree = Any
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 RATIO_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +124,7 @@ class GRPOConfig:
         if not isinstance(self.sampling, SamplingConfig):
             fail(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         for name, allowed in (("advantage", ADVANTAGES), ("ratio_level", RATIO_LEVELS),
-                              ("kl_estimator", KL_ESTIMATORS), ("agg", AGG_MODES)):
+                              ("kl_estimator", ops.KL_ESTIMATORS), ("agg", ops.AGGREGATE_MODES)):
             if getattr(self, name) not in allowed:
                 fail(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
         g = self.sampling.num_samples
@@ -257,27 +255,8 @@ class Batch(NamedTuple):
     sampler_logp: jax.Array | None = None
 
 
-# --------------------------------------------------------------------------- scores
-
-
-def overlong_penalty(lengths: jax.Array, *, max_len: int, cache_len: int) -> jax.Array:
-    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13), lengths in tokens:
-
-        0                                  if len ≤ L_max − L_cache
-        ((L_max − L_cache) − len) / L_cache if L_max − L_cache < len ≤ L_max
-        −1                                 if len > L_max
-
-    Args:
-      lengths: `[N]` valid response tokens (EOS included).
-      max_len: L_max. cache_len: L_cache (0: a hard −1 beyond L_max only).
-
-    Returns: `[N]` float32 penalties in [−1, 0].
-    """
-    lengths = jnp.asarray(lengths, jnp.float32)
-    start = float(max_len - cache_len)
-    soft = (start - lengths) / max(float(cache_len), 1.0)
-    out = jnp.where(lengths <= start, 0.0, soft)
-    return jnp.where(lengths > max_len, -1.0, out).astype(jnp.float32)
+# --------------------------------------------------------------------------- advantages
+# (score shaping — DAPO's overlong_penalty, dynamic sampling's select_groups — is in scoring)
 
 
 def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Array) -> jax.Array:
@@ -298,41 +277,6 @@ def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Ar
                          f"G = sampling.num_samples = {g}; the batch must hold whole groups")
     adv = ops.group_advantages(scores, g, method=cfg.advantage, eps=cfg.adv_eps)
     return ops.broadcast_sequence(adv, response_mask)
-
-
-class GroupSelection(NamedTuple):
-    """Dynamic sampling's choice: `indices` `[K·G]` rows to keep, `has_signal` `[K]` for the
-    kept groups, `kept_fraction` (kept groups with signal / K) and `signal_fraction`
-    (groups with signal / groups sampled)."""
-
-    indices: jax.Array
-    has_signal: jax.Array
-    kept_fraction: jax.Array
-    signal_fraction: jax.Array
-
-
-def select_groups(scores: jax.Array, group_size: int, num_groups: int) -> GroupSelection:
-    """Keeps `num_groups` groups, those whose scores are not all equal first (in order),
-    then groups without signal as padding, so that the batch size stays fixed.
-
-    Args:
-      scores: `[M·G]` sequence scores of M ≥ num_groups contiguous groups.
-    """
-    n = scores.shape[0]
-    if n % group_size:
-        raise ValueError(f"select_groups: {n} scores do not split into groups of {group_size}")
-    m = n // group_size
-    if num_groups > m:
-        raise ValueError(f"dynamic sampling keeps {num_groups} groups per step but only {m} prompts were "
-                         "sampled: pass a prompt pool of at least prompts_per_step prompts")
-    s = scores.reshape(m, group_size)
-    has = jnp.max(s, axis=1) > jnp.min(s, axis=1)
-    order = jnp.argsort(jnp.where(has, 0, 1).astype(jnp.int32), stable=True)
-    keep = order[:num_groups]
-    indices = (keep[:, None] * group_size + jnp.arange(group_size)[None]).reshape(-1)
-    kept_signal = has[keep]
-    return GroupSelection(indices, kept_signal, jnp.mean(kept_signal.astype(jnp.float32)),
-                          jnp.mean(has.astype(jnp.float32)))
 
 
 # --------------------------------------------------------------------------- loss
@@ -432,14 +376,8 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     if cfg.beta > 0 and batch.ref_logp is None:
         raise ValueError("GRPO update: beta > 0 needs ref_logp in the batch (init_state(..., ref_params=...))")
     mb_size = n // m
-    if m > 1:
-        perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, mu))
-        index = perms.reshape(mu * m, mb_size)
-    else:
-        index = jnp.zeros((mu, 0), jnp.int32)  # the whole batch each pass
 
-    def step(policy, idx):
-        mb = batch if m == 1 else jax.tree.map(lambda x: x[idx], batch)
+    def step(policy, mb):
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
                                        total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1))
@@ -447,17 +385,10 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
         policy, finite = common.apply_if_finite(policy, grads, tx, loss)
         return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
 
-    policy, stacked = jax.lax.scan(step, state.policy, index)
-    metrics = {}
-    for name, values in stacked.items():
-        if name == "finite":
-            metrics[name] = jnp.all(values)
-            metrics["skipped_steps"] = jnp.sum(~values)
-        else:
-            metrics[name] = common.reduce_metric(name, values)
-    metrics["first/ratio_max"] = stacked["ratio_max"][0]
-    metrics["first/ratio_min"] = stacked["ratio_min"][0]
-    metrics["first/approx_kl"] = stacked["approx_kl"][0]
+    # One minibatch: the whole batch each pass, unshuffled.
+    policy, stacked = common.minibatch_scan(step, state.policy, batch, rng, passes=mu, minibatches=m, shuffle=m > 1)
+    metrics = common.summarize_steps(stacked, skipped="skipped_steps",
+                                     first={f"first/{name}": name for name in ("ratio_max", "ratio_min", "approx_kl")})
     return state.replace(policy=policy), metrics
 
 
@@ -470,35 +401,15 @@ def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, g
 # --------------------------------------------------------------------------- iteration
 
 
-def _repeat_rows(extras, g: int, n_prompts: int):
-    def rep(x):
-        x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] != n_prompts:
-            raise ValueError(f"extras arrays must have one row per prompt ([B, ...] with B = {n_prompts}), "
-                             f"got shape {x.shape}")
-        return jnp.repeat(x, g, axis=0)
-    return {k: rep(v) for k, v in extras.items()}
-
-
-def _split_extras(extras):
-    extras = {} if extras is None else dict(extras)
-    arrays = {k: v for k, v in extras.items() if hasattr(v, "shape")}
-    others = {k: v for k, v in extras.items() if not hasattr(v, "shape")}
-    return arrays, others
-
-
 def rollout(state: GRPOState, prompt_ids, prompt_mask, extras, rng, *, model: Transformer, cfg: GRPOConfig,
             reward: rewards_lib.Reward) -> tuple[SampleOutput, dict]:
     """Samples G responses per prompt and runs the reward's JAX components on them.
 
     Returns: `(SampleOutput [N = B·G], {component: [N] scores})`.
     """
-    s = cfg.sampling
     key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
-    out = sample(model, state.policy.params, prompt_ids, prompt_mask, key, max_new_tokens=s.max_new_tokens,
-                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_id=s.eos_id, pad_id=s.pad_id,
-                 num_samples=s.num_samples)
-    extras_N = _repeat_rows(extras, s.num_samples, prompt_ids.shape[0])
+    out = sample_responses(model, state.policy.params, prompt_ids, prompt_mask, key, cfg.sampling)
+    extras_N = scoring.repeat_extras(extras, cfg.group_size, prompt_ids.shape[0])
     return out, reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N)
 
 
@@ -586,7 +497,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
             return learn_(state, out, scores, rng)
 
         def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
-            arrays, _ = _split_extras(extras)
+            arrays, _ = scoring.split_extras(extras)
             return fused(state, prompt_ids, prompt_mask, arrays, _key(rng))
 
         iteration.is_single_program = True
@@ -598,18 +509,11 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     g = cfg.group_size
 
     def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
-        arrays, others = _split_extras(extras)
+        arrays, _ = scoring.split_extras(extras)
         rng = _key(rng)
         out, scores = roll_jit(state, prompt_ids, prompt_mask, arrays, rng)
         t0 = time.perf_counter()
-        host_out = jax.device_get(out)
-        host_extras = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in arrays.items()}
-        for k_, v in others.items():
-            v = list(v)
-            if len(v) != prompt_ids.shape[0]:
-                raise ValueError(f"extras[{k_!r}] has {len(v)} entries; expected one per prompt ({prompt_ids.shape[0]})")
-            host_extras[k_] = [x for x in v for _ in range(g)]
-        host = reward.host_scores(rewards_lib.RewardInput.from_sample(host_out), host_extras)
+        host = scoring.host_scores(reward, jax.device_get(out), extras, g)
         dt = time.perf_counter() - t0
         state, metrics = learn_jit(state, out, {**scores, **host}, rng)
         metrics = dict(metrics)

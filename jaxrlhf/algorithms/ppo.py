@@ -2,8 +2,9 @@
 
 Actor (trained, LM head), critic (trained: its own "score"-head `Transformer`, or a value
 head on the actor's trunk, `head="lm_value"`), reference (frozen copy of the starting
-actor) and reward (frozen; a reward-model `Transformer` or any JAX reward function). One
-iteration, compiled into one XLA program by `make_iteration`:
+actor) and reward (a `rewards.Reward`: a frozen reward-model `Transformer`, whose params
+the state holds, or JAX reward functions; see `scoring.compiled_reward`). One iteration,
+compiled into one XLA program by `make_iteration`:
 
     prompts → sample (actor) → score_rollout: old logp, ref logp, values, RM score
             → process_scores: missing-EOS penalty, whitening, clipping
@@ -11,6 +12,10 @@ iteration, compiled into one XLA program by `make_iteration`:
             → update: K epochs × M shuffled minibatches (× micro-batches) in one lax.scan,
               loss = clipped policy loss + vf_coef·clipped value loss − ent_coef·entropy
             → KL controller step (β for the next iteration)
+
+The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
+`rollout_metrics`) is in `ppo_rollout`, the score shaping and reward plumbing PPO shares
+with the GRPO family in `scoring`; this module re-exports them.
 
 Shapes: `B` prompts, `N = B·G` sequences (G = `sampling.num_samples`, usually 1 for PPO),
 `P` prompt length (left-padded), `T = sampling.max_new_tokens` (right-padded).
@@ -27,38 +32,45 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrlhf import ops
-from jaxrlhf.algorithms import kl_controller
+from jaxrlhf import ops, rewards
+from jaxrlhf.algorithms import kl_controller, scoring
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
     apply_if_finite,
     accumulation_scale,
-    reduce_metric,
+    jit_keeping_frozen,
+    minibatch_scan,
     response_hidden,
     response_logprobs,
+    summarize_steps,
     tree_finite,
 )
-from jaxrlhf.algorithms.experience import SamplingConfig
-from jaxrlhf.models.transformer import Transformer, score_at_last_token
-from jaxrlhf.rollout.sampler import sample
+from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses
+from jaxrlhf.algorithms.ppo_rollout import (
+    Advantages,
+    Rollout,
+    compute_advantages,
+    process_scores,
+    rollout_metrics,
+    score_rollout,
+)
+from jaxrlhf.algorithms.scoring import RunningMoments
+from jaxrlhf.models.transformer import Transformer
 
 PyTree = Any
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_WHITENING = (None, "batch", "running")
 MISSING_EOS_MODES = ("subtract", "replace")
 CRITIC_MODES = ("separate", "shared")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 # --------------------------------------------------------------------------------------
@@ -139,8 +151,8 @@ class PPOConfig:
 
         if not isinstance(self.sampling, SamplingConfig):
             bad(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            bad(f"kl_estimator={self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        if self.kl_estimator not in ops.KL_ESTIMATORS:
+            bad(f"kl_estimator={self.kl_estimator!r}; expected one of {ops.KL_ESTIMATORS}")
         # The controller config validates kl_coef / kl_target / kl_horizon.
         try:
             self.kl_config
@@ -174,8 +186,8 @@ class PPOConfig:
             bad(f"vf_coef must be >= 0, got {self.vf_coef}")
         if not self.ent_coef >= 0:
             bad(f"ent_coef must be >= 0, got {self.ent_coef}")
-        if self.agg not in AGG_MODES:
-            bad(f"agg={self.agg!r}; expected one of {AGG_MODES}")
+        if self.agg not in ops.AGGREGATE_MODES:
+            bad(f"agg={self.agg!r}; expected one of {ops.AGGREGATE_MODES}")
         for name in ("num_ppo_epochs", "num_minibatches", "num_microbatches"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
@@ -198,130 +210,7 @@ class PPOConfig:
 
 
 # --------------------------------------------------------------------------------------
-# Rewards: reward model or JAX function, one calling convention
-
-
-class RewardInputs(NamedTuple):
-    """What a reward sees. sequences/attention_mask `[N, P+T]` (prompt ⧺ response),
-    response_ids/response_mask `[N, T]`, extras: a pytree of `[N, ...]` arrays or None."""
-
-    sequences: jax.Array
-    attention_mask: jax.Array
-    response_ids: jax.Array
-    response_mask: jax.Array
-    extras: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Reward:
-    """A reward in the form PPO calls it: `fn(params, RewardInputs) -> scores [N]`.
-
-    `fn` returns the scores, or `(scores, metrics)` with extra scalar metrics to report.
-    `params` are the frozen reward-model parameters kept in `PPOState.reward_params` (None
-    for a parameter-free reward); `vocab_size` is checked against the policy's when known.
-    Build one with `as_reward`.
-    """
-
-    fn: Callable[[PyTree, RewardInputs], jax.Array | tuple[jax.Array, dict]]
-    vocab_size: int | None = None
-    name: str = "reward"
-
-
-def _model_reward(model: Transformer) -> Reward:
-    if model.head != "score":
-        raise ValueError(f"the reward model must be a Transformer with head='score', got head={model.head!r}")
-
-    def fn(params, inp: RewardInputs):
-        out = model.apply({"params": jax.lax.stop_gradient(params)}, inp.sequences, inp.attention_mask,
-                          compute_logits=False)
-        return score_at_last_token(out.values, inp.attention_mask)
-
-    return Reward(fn, model.config.vocab_size, "reward_model")
-
-
-def sequence_reward(fn: Callable[[jax.Array, jax.Array], jax.Array], *, vocab_size: int | None = None) -> Reward:
-    """A JAX reward on whole sequences: `fn(sequences [N, P+T], attention_mask) -> [N]`."""
-    return Reward(lambda _, inp: fn(inp.sequences, inp.attention_mask), vocab_size, "sequence_reward")
-
-
-def response_reward(fn: Callable[[jax.Array, jax.Array, Any], jax.Array]) -> Reward:
-    """A JAX reward on responses: `fn(response_ids [N, T], response_mask [N, T], extras) -> [N]`."""
-    return Reward(lambda _, inp: fn(inp.response_ids, inp.response_mask, inp.extras), None, "response_reward")
-
-
-def as_reward(reward) -> tuple[Reward, PyTree]:
-    """Normalises the accepted reward forms to `(Reward, params or None)`:
-
-    - `(Transformer(head="score"), params)`: a reward model, scored at the last valid token
-      of prompt ⧺ response (`models.score_at_last_token`);
-    - `Transformer(head="score")`: the same, params given separately (`init_state(...,
-      reward_params=...)`);
-    - a `Reward` (see `sequence_reward`, `response_reward`);
-    - a `jaxrlhf.rewards.Reward` whose components are all JAX rewards or reward models
-      (`rewards.jax_reward`, `rewards.model_reward(reward_model.score_fn(model, params))`,
-      `rewards.combine`); its component means are reported as `reward/<name>`;
-    - a plain callable: with 3 positional parameters it is taken as
-      `fn(response_ids, response_mask, extras)`, with 2 as `fn(sequences, attention_mask)`.
-
-    Host-side (text) rewards cannot run inside the jitted iteration: score on host and
-    pass a JAX function of the token ids instead.
-    """
-    if isinstance(reward, tuple) and len(reward) == 2 and isinstance(reward[0], Transformer):
-        return _model_reward(reward[0]), reward[1]
-    if isinstance(reward, Transformer):
-        return _model_reward(reward), None
-    if isinstance(reward, Reward):
-        return reward, None
-    converted = _from_rewards_module(reward)
-    if converted is not None:
-        return converted
-    if callable(reward):
-        try:
-            params = [p for p in inspect.signature(reward).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-        except (TypeError, ValueError):
-            params = []
-        if len(params) == 3:
-            return response_reward(reward), None
-        if len(params) == 2:
-            return sequence_reward(reward), None
-        raise TypeError(f"cannot tell how to call reward {reward!r}: wrap it in ppo.response_reward(fn) "
-                        f"(fn(response_ids, response_mask, extras)) or ppo.sequence_reward(fn) "
-                        f"(fn(sequences, attention_mask))")
-    raise TypeError(f"unsupported reward {type(reward).__name__}: pass (Transformer(head='score'), params), "
-                    f"a Transformer, a ppo.Reward, or a JAX callable")
-
-
-def _from_rewards_module(reward):
-    """A `jaxrlhf.rewards.Reward` (JAX and reward-model components) as a PPO `Reward`, else None.
-
-    Its weighted total is the score; each component's mean is reported as `reward/<name>`.
-    A reward with host (text) components cannot run inside the compiled iteration.
-    """
-    try:
-        from jaxrlhf import rewards as rewards_mod
-    except ImportError:
-        return None
-    if not isinstance(reward, getattr(rewards_mod, "Reward", ())):
-        return None
-    if not reward.is_jax:
-        raise TypeError("a reward with host-side (text) components cannot run inside the jitted PPO iteration; "
-                        "use JAX rewards on token ids or a reward model")
-
-    def fn(_, inp: RewardInputs):
-        p = inp.sequences.shape[1] - inp.response_ids.shape[1]
-        r_in = rewards_mod.RewardInput(inp.sequences[:, :p], inp.attention_mask[:, :p], inp.response_ids,
-                                       inp.response_mask, inp.sequences, inp.attention_mask)
-        parts = reward.device_scores(r_in, {} if inp.extras is None else inp.extras)
-        return reward.total(parts), reward.metrics(parts)
-
-    return Reward(fn, None, "rewards.Reward"), None
-
-
-def check_vocab(policy_vocab: int, other_vocab: int | None, what: str = "reward model") -> None:
-    if other_vocab is not None and int(other_vocab) != int(policy_vocab):
-        raise ValueError(f"policy vocab_size {policy_vocab} != {what} vocab_size {other_vocab} — "
-                         f"the {what} must share the policy tokenizer")
+# Models
 
 
 def _check_models(actor_model: Transformer, critic_model: Transformer | None, cfg: PPOConfig):
@@ -338,35 +227,11 @@ def _check_models(actor_model: Transformer, critic_model: Transformer | None, cf
             raise ValueError("critic='separate' needs a critic_model (Transformer with head='score')")
         if critic_model.head != "score":
             raise ValueError(f"the critic must be a Transformer with head='score', got head={critic_model.head!r}")
-        check_vocab(actor_model.config.vocab_size, critic_model.config.vocab_size, "critic")
+        scoring.check_vocab(actor_model.config.vocab_size, critic_model.config.vocab_size, "critic")
 
 
 # --------------------------------------------------------------------------------------
 # State
-
-
-@flax.struct.dataclass
-class RunningMoments:
-    """Mean and population variance of all scores seen so far (for "running" whitening)."""
-
-    count: jax.Array
-    mean: jax.Array
-    var: jax.Array
-
-    @classmethod
-    def create(cls) -> "RunningMoments":
-        return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32))
-
-    def update(self, x_N: jax.Array) -> "RunningMoments":
-        """Chan et al.'s parallel merge of (count, mean, M2) with a new batch."""
-        x = x_N.astype(jnp.float32)
-        n = jnp.float32(x.shape[0])
-        mean_b, var_b = jnp.mean(x), jnp.var(x)
-        total = self.count + n
-        delta = mean_b - self.mean
-        mean = self.mean + delta * n / total
-        m2 = self.var * self.count + var_b * n + jnp.square(delta) * self.count * n / total
-        return RunningMoments(total, mean, m2 / total)
 
 
 @flax.struct.dataclass
@@ -387,6 +252,9 @@ class PPOState:
     step: jax.Array
 
 
+_FROZEN = ("ref_params", "reward_params")  # never donated nor copied by the compiled iteration
+
+
 def init_state(
     cfg: PPOConfig,
     actor_model: Transformer,
@@ -402,8 +270,9 @@ def init_state(
 ) -> PPOState:
     """Builds the PPO state; checks models, heads and vocabularies.
 
-    reward: any form `as_reward` accepts (its params, if any, are stored frozen);
-      `reward_params` overrides/gives them. ref_params: defaults to a copy of actor_params.
+    reward: any form `scoring.compiled_reward` accepts (its params, if any, are stored
+      frozen); `reward_params` overrides/gives them. ref_params: defaults to a copy of
+      actor_params.
 
     The state holds `actor_params` / `critic_params` themselves (no copy): `make_iteration`
     donates the trained part of the state by default, after which those arrays are
@@ -412,8 +281,8 @@ def init_state(
     """
     _check_models(actor_model, critic_model, cfg)
     if reward is not None:
-        spec, params_from_reward = as_reward(reward)
-        check_vocab(actor_model.config.vocab_size, spec.vocab_size)
+        spec, params_from_reward = scoring.compiled_reward(reward)
+        scoring.check_reward_vocab(actor_model.config.vocab_size, spec)
         if reward_params is None:
             reward_params = params_from_reward
     copy = lambda tree: jax.tree.map(jnp.array, tree)  # own buffers: the state may be donated
@@ -431,139 +300,6 @@ def init_state(
         reward_stats=RunningMoments.create(),
         step=jnp.zeros((), jnp.int32),
     )
-
-
-# --------------------------------------------------------------------------------------
-# Rollout and scoring
-
-
-class Rollout(NamedTuple):
-    """A scored rollout batch, `N` rows.
-
-    sequences, attention_mask `[N, P+T]`; response_ids, response_mask `[N, T]`;
-    old_logp, ref_logp, sampler_logp `[N, T]` (τ-scaled); values `[N, T]` (V_t of the state
-    that predicts y_t); scores `[N]` raw reward (before `process_scores`).
-    """
-
-    sequences: jax.Array
-    attention_mask: jax.Array
-    response_ids: jax.Array
-    response_mask: jax.Array
-    old_logp: jax.Array
-    ref_logp: jax.Array
-    sampler_logp: jax.Array
-    values: jax.Array
-    scores: jax.Array
-    reward_metrics: dict
-
-
-def score_rollout(
-    actor_model: Transformer,
-    critic_model: Transformer | None,
-    reward: Reward,
-    state: PPOState,
-    sequences: jax.Array,
-    attention_mask: jax.Array,
-    prompt_len: int,
-    cfg: PPOConfig,
-    *,
-    sampler_logp: jax.Array | None = None,
-    extras: Any = None,
-) -> Rollout:
-    """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
-    logp, values (critic, or the actor's value head when shared — one pass), and the reward
-    score (for a reward model: at the last valid token). All without gradient."""
-    tau = cfg.sampling.temperature
-    actor_params = jax.lax.stop_gradient(state.actor.params)
-    old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
-                                            temperature=tau)
-    ref_logp, _, _ = response_logprobs(actor_model, jax.lax.stop_gradient(state.ref_params), sequences,
-                                       attention_mask, prompt_len, temperature=tau)
-    if not cfg.shared:
-        _, values = response_hidden(critic_model, jax.lax.stop_gradient(state.critic.params), sequences,
-                                    attention_mask, prompt_len)
-    response_ids = sequences[:, prompt_len:]
-    response_mask = attention_mask[:, prompt_len:].astype(bool)
-    scores = reward.fn(state.reward_params, RewardInputs(sequences, attention_mask, response_ids,
-                                                          response_mask, extras))
-    reward_metrics = {}
-    if isinstance(scores, tuple):
-        scores, reward_metrics = scores
-    scores = jnp.asarray(scores, jnp.float32).reshape(sequences.shape[0])
-    if sampler_logp is None:
-        sampler_logp = old_logp
-    return Rollout(sequences, attention_mask, response_ids, response_mask, old_logp, ref_logp, sampler_logp,
-                   values.astype(jnp.float32), jax.lax.stop_gradient(scores),
-                   jax.lax.stop_gradient(dict(reward_metrics)))
-
-
-def process_scores(
-    scores_N: jax.Array,
-    response_ids_NxT: jax.Array,
-    response_mask_NxT: jax.Array,
-    stats: RunningMoments,
-    cfg: PPOConfig,
-) -> tuple[jax.Array, RunningMoments]:
-    """Raw scores → the scalars that go on the last token, in this order:
-
-    1. missing-EOS penalty (responses without `eos_id` among their valid tokens):
-       "subtract": `s − p`; "replace": `−p`;
-    2. whitening: "batch" `(s − μ_batch)/sqrt(σ²_batch + 1e-8)`, or "running" with the
-       running moments updated by this batch first;
-    3. clipping to `[−reward_clip, reward_clip]`.
-
-    Returns `(scores [N], updated running moments)`.
-    """
-    s = scores_N.astype(jnp.float32)
-    if cfg.missing_eos_penalty is not None:
-        has_eos = jnp.any((response_ids_NxT == cfg.sampling.eos_id) & response_mask_NxT.astype(bool), axis=1)
-        p = jnp.float32(cfg.missing_eos_penalty)
-        penalised = s - p if cfg.missing_eos_mode == "subtract" else jnp.full_like(s, -p)
-        s = jnp.where(has_eos, s, penalised)
-    if cfg.reward_whitening == "batch":
-        s = (s - jnp.mean(s)) / jnp.sqrt(jnp.var(s) + 1e-8)
-    elif cfg.reward_whitening == "running":
-        stats = stats.update(s)
-        s = (s - stats.mean) / jnp.sqrt(stats.var + 1e-8)
-    if cfg.reward_clip is not None:
-        s = jnp.clip(s, -cfg.reward_clip, cfg.reward_clip)
-    return s, stats
-
-
-class Advantages(NamedTuple):
-    """All `[N, T]` float32, 0 on padding. `advantages` whitened if configured; `raw_advantages`
-    before whitening; `returns` the critic's targets; `rewards` the shaped per-token
-    rewards; `kl` the per-token KL of `cfg.kl_estimator`."""
-
-    advantages: jax.Array
-    raw_advantages: jax.Array
-    returns: jax.Array
-    rewards: jax.Array
-    kl: jax.Array
-
-
-def compute_advantages(
-    scores_N: jax.Array,
-    old_logp_NxT: jax.Array,
-    ref_logp_NxT: jax.Array,
-    values_NxT: jax.Array,
-    mask_NxT: jax.Array,
-    beta: float | jax.Array,
-    cfg: PPOConfig,
-) -> Advantages:
-    """SPEC §3–§4 composed from ops, nothing else:
-
-        kl = ops.kl(old_logp, ref_logp, estimator)
-        r  = ops.shape_rewards(scores, kl, mask, β)        (−β·kl every token, + score last)
-        A, R = ops.gae(r, values, mask, γ, λ)
-        A  = ops.whiten(A, mask)                            (if whiten_advantages)
-    """
-    kl = jnp.where(mask_NxT, ops.kl(old_logp_NxT, ref_logp_NxT, estimator=cfg.kl_estimator), 0.0)
-    rewards = ops.shape_rewards(scores_N, kl, mask_NxT, beta)
-    adv, ret = ops.gae(rewards, values_NxT, mask_NxT, gamma=cfg.gamma, lam=cfg.lam)
-    white = ops.whiten(adv, mask_NxT) if cfg.whiten_advantages else adv
-    white = jnp.where(mask_NxT, white, 0.0)
-    return Advantages(white, adv, ret, rewards, kl)
 
 
 # --------------------------------------------------------------------------------------
@@ -652,18 +388,15 @@ def update(
     be 1: a mismatch means old log-probs do not match the trainer's forward pass).
     """
     n = batch["response_mask"].shape[0]
-    k, m = cfg.num_ppo_epochs, cfg.num_minibatches
+    m = cfg.num_minibatches
     if n % m:
         raise ValueError(f"{n} sequences do not split into num_minibatches={m}")
     mb_size = n // m
     if mb_size % cfg.num_microbatches:
         raise ValueError(f"minibatch of {mb_size} does not split into num_microbatches={cfg.num_microbatches}")
-    perms = jax.vmap(lambda key: jax.random.permutation(key, n))(jax.random.split(rng, k))
-    index = perms.reshape(k * m, mb_size)
 
-    def step(carry, idx):
+    def step(carry, mb):
         actor, critic = carry
-        mb = jax.tree.map(lambda x: x[idx], batch)
         total_tokens = jnp.sum(mb["response_mask"], dtype=jnp.float32)
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
                                total_tokens=total_tokens, total_seqs=mb_size)
@@ -679,12 +412,9 @@ def update(
             metrics["grad_norm_critic"] = optax.tree.norm(grads["critic"])
         return (new_actor, new_critic), metrics
 
-    (actor, critic), per_step = jax.lax.scan(step, (state.actor, state.critic), index)
-    metrics = {key: reduce_metric(key, v) for key, v in per_step.items() if key != "finite"}
-    metrics["finite"] = jnp.all(per_step["finite"])
-    metrics["skipped_updates"] = jnp.sum(~per_step["finite"]).astype(jnp.int32)
-    for key in _FIRST:
-        metrics[f"first_{key}"] = per_step[key][0]
+    (actor, critic), per_step = minibatch_scan(step, (state.actor, state.critic), batch, rng,
+                                               passes=cfg.num_ppo_epochs, minibatches=m)
+    metrics = summarize_steps(per_step, skipped="skipped_updates", first={f"first_{key}": key for key in _FIRST})
     return state.replace(actor=actor, critic=critic), metrics
 
 
@@ -692,42 +422,12 @@ def update(
 # One iteration
 
 
-def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cfg: PPOConfig) -> dict:
-    """SPEC §7 rollout-side metrics (all float32 scalars)."""
-    mask = roll.response_mask
-    length = jnp.sum(mask, axis=1).astype(jnp.float32)
-    k1 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k1")
-    k3 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k3")
-    out = dict(
-        score_mean=jnp.mean(raw_scores), score_std=jnp.std(raw_scores),
-        score_processed_mean=jnp.mean(scores),
-        shaped_reward_mean=jnp.mean(jnp.sum(adv.rewards, axis=1)),
-        kl_k1=ops.masked_mean(k1, mask), kl_k3=ops.masked_mean(k3, mask),
-        kl_seq=jnp.mean(jnp.sum(adv.kl, axis=1)),  # nats per response, the controller's input
-        beta=jnp.asarray(beta, jnp.float32),
-        response_length_mean=jnp.mean(length), response_length_max=jnp.max(length),
-        advantage_mean=ops.masked_mean(adv.raw_advantages, mask),
-        advantage_std=jnp.sqrt(ops.masked_var(adv.raw_advantages, mask)),
-        returns_mean=ops.masked_mean(adv.returns, mask),
-        values_mean=ops.masked_mean(roll.values, mask),
-        sampler_logp_diff_max=jnp.max(jnp.where(mask, jnp.abs(roll.sampler_logp - roll.old_logp), 0.0)),
-        num_tokens=jnp.sum(mask, dtype=jnp.float32),
-        **roll.reward_metrics,
-    )
-    if cfg.sampling.eos_id is not None:
-        has_eos = jnp.any((roll.response_ids == cfg.sampling.eos_id) & mask, axis=1)
-        out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))
-    return out
-
-
-def _phases(actor_model, critic_model, reward: Reward, tx_actor, tx_critic, cfg: PPOConfig):
+def _phases(actor_model, critic_model, reward: rewards.Reward, tx_actor, tx_critic, cfg: PPOConfig):
     """The three phases of an iteration as traceable functions."""
     s = cfg.sampling
 
     def rollout(state: PPOState, prompt_ids, prompt_mask, rng):
-        out = sample(actor_model, state.actor.params, prompt_ids, prompt_mask, rng,
-                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                     eos_id=s.eos_id, pad_id=s.pad_id, num_samples=s.num_samples)
+        out = sample_responses(actor_model, state.actor.params, prompt_ids, prompt_mask, rng, s)
         return out.sequences, out.attention_mask, out.logprobs
 
     def score(state: PPOState, sequences, attention_mask, sampler_logp, extras):
@@ -753,12 +453,6 @@ def _phases(actor_model, critic_model, reward: Reward, tx_actor, tx_critic, cfg:
     return rollout, score, train
 
 
-def _repeat_extras(extras, g):
-    if extras is None or g == 1:
-        return extras
-    return jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), extras)
-
-
 def make_iteration(
     actor_model: Transformer,
     critic_model: Transformer | None,
@@ -773,10 +467,10 @@ def make_iteration(
 ) -> Callable[..., tuple[PPOState, dict]]:
     """`iteration(state, prompt_ids [B, P], prompt_mask [B, P], rng, extras=None) -> (state, metrics)`.
 
-    reward_model: any form `as_reward` accepts; a reward model's params are read from
-      `state.reward_params` (a `(model, params)` tuple's params are NOT baked in: give them
-      to `init_state`). extras: a pytree of `[B, ...]` arrays handed to a response reward
-      (repeated for the G samples of a prompt).
+    reward_model: any form `scoring.compiled_reward` accepts; a reward model's params are
+      read from `state.reward_params` (a `(model, params)` tuple's params are NOT baked in:
+      give them to `init_state`). extras: a dict of `[B, ...]` arrays handed to the JAX
+      reward components (repeated for the G samples of a prompt).
     lr_schedule: the actor's schedule, to report `lr`.
     fused=True: rollout, scoring, GAE and all epochs are ONE jitted program. With `donate`
       the trained part of the state (actor, critic and their optimizer states) is donated;
@@ -787,8 +481,8 @@ def make_iteration(
     The RNG of iteration `i` is `fold_in(rng, state.step)`: pass the same base key every time.
     """
     _check_models(actor_model, critic_model, cfg)
-    reward, _ = as_reward(reward_model)
-    check_vocab(actor_model.config.vocab_size, reward.vocab_size)
+    reward, _ = scoring.compiled_reward(reward_model)
+    scoring.check_reward_vocab(actor_model.config.vocab_size, reward)
     if not cfg.shared and tx_critic is None:
         raise ValueError("critic='separate' needs tx_critic")
     rollout, score, train = _phases(actor_model, critic_model, reward, tx_actor, tx_critic, cfg)
@@ -801,19 +495,19 @@ def make_iteration(
         key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
         lr = lr_of(state)
         seq, attn, slogp = rollout(state, prompt_ids, prompt_mask, key_sample)
-        state, batch, m_roll = score(state, seq, attn, slogp, _repeat_extras(extras, g))
+        state, batch, m_roll = score(state, seq, attn, slogp, scoring.repeat_extras(extras, g, prompt_ids.shape[0]))
         state, m_upd = train(state, batch, key_update)
         finite = m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
         return state, {**m_roll, **m_upd, **lr, "finite": finite}
 
     if fused:
-        j_iteration = _jit_keeping_frozen(fused_iteration, donate)
+        j_iteration = jit_keeping_frozen(fused_iteration, _FROZEN, donate=donate)
         return lambda state, prompt_ids, prompt_mask, rng, extras=None: j_iteration(
             state, prompt_ids, prompt_mask, rng, extras)
 
     j_rollout = jax.jit(rollout)
     j_score = jax.jit(score)
-    j_train = _jit_keeping_frozen(train, donate)
+    j_train = jit_keeping_frozen(train, _FROZEN, donate=donate)
 
     def timed_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
         key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
@@ -821,7 +515,8 @@ def make_iteration(
         t0 = time.perf_counter()
         seq, attn, slogp = jax.block_until_ready(j_rollout(state, prompt_ids, prompt_mask, key_sample))
         t1 = time.perf_counter()
-        state, batch, m_roll = jax.block_until_ready(j_score(state, seq, attn, slogp, _repeat_extras(extras, g)))
+        extras_n = scoring.repeat_extras(extras, g, prompt_ids.shape[0])
+        state, batch, m_roll = jax.block_until_ready(j_score(state, seq, attn, slogp, extras_n))
         t2 = time.perf_counter()
         state, m_upd = jax.block_until_ready(j_train(state, batch, key_update))
         t3 = time.perf_counter()
@@ -834,22 +529,6 @@ def make_iteration(
     return timed_iteration
 
 
-def _jit_keeping_frozen(fn, donate: bool):
-    """`jax.jit(fn)` for `fn(state, *args) -> (state, *outputs)` that donates the trained
-    part of the state (actor, critic, controller, statistics) but neither takes ownership
-    of nor copies the frozen reference and reward-model parameters: they are passed as
-    separate, non-donated arguments and put back into the returned state."""
-
-    def inner(trainable, frozen, *args):
-        state = trainable.replace(ref_params=frozen[0], reward_params=frozen[1])
-        state, *rest = fn(state, *args)
-        return (state.replace(ref_params=None, reward_params=None), *rest)
-
-    jitted = jax.jit(inner, donate_argnums=(0,) if donate else ())
-
-    def call(state, *args):
-        frozen = (state.ref_params, state.reward_params)
-        state, *rest = jitted(state.replace(ref_params=None, reward_params=None), frozen, *args)
-        return (state.replace(ref_params=frozen[0], reward_params=frozen[1]), *rest)
-
-    return call
+__all__ = ["CRITIC_MODES", "MISSING_EOS_MODES", "REWARD_WHITENING", "Advantages", "PPOConfig", "PPOState", "Rollout",
+           "RunningMoments", "compute_advantages", "init_state", "loss_fn", "make_iteration", "ppo_loss",
+           "process_scores", "rollout_metrics", "score_rollout", "update"]

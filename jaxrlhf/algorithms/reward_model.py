@@ -15,7 +15,8 @@ forward pass of `2B` rows; the loss is `ops.reward_model_loss` = mean of
     model, params = init_from_policy(policy_model, policy_params)   # trunk copied, new head
     state = init_state(params, tx)
     step = jax.jit(make_train_step(model, tx, RewardModelConfig()), donate_argnums=0)
-    reward = score_fn(model, state.params)       # (sequences, attention_mask) -> [N], for PPO
+    reward = score_fn(model, state.params)       # (sequences, attention_mask) -> [N]
+    reward = as_reward(model)                    # a rewards.Reward, params given at call time (PPO)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrlhf import ops
+from jaxrlhf import ops, rewards
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.dpo import PAIR_KEYS, check_pairs, pair_sequences
 from jaxrlhf.models.transformer import Transformer, score_at_last_token
@@ -117,6 +118,19 @@ def score_fn(model: Transformer, params) -> Callable[[jax.Array, jax.Array], jax
         return score(model, params, sequences_NxL, attention_mask_NxL)
 
     return fn
+
+
+def as_reward(model: Transformer, *, name: str = "reward_model", weight: float = 1.0) -> rewards.Reward:
+    """The reward model as a `rewards.Reward` (one "model" component, `score` without
+    gradient) whose parameters are given at call time: `reward.device_scores(inputs,
+    extras, params)`. PPO keeps them frozen in `PPOState.reward_params`, an argument of its
+    compiled iteration, never a constant baked into it."""
+    _check_score_model(model)
+
+    def fn(params, sequences_NxL, attention_mask_NxL):
+        return score(model, jax.lax.stop_gradient(params), sequences_NxL, attention_mask_NxL)
+
+    return rewards.model_reward(fn, name=name, weight=weight, takes_params=True, vocab_size=model.config.vocab_size)
 
 
 def pair_scores(model: Transformer, params, batch: Batch) -> tuple[jax.Array, jax.Array]:

@@ -31,7 +31,6 @@ import optax
 from jaxrlhf import ops
 from jaxrlhf.algorithms import common
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.ops._masked import AGGREGATE_MODES
 
 PyTree = Any
 Batch = dict[str, jax.Array]
@@ -57,8 +56,8 @@ class SFTConfig:
     num_microbatches: int = 1
 
     def __post_init__(self):
-        if self.agg not in AGGREGATE_MODES:
-            raise ValueError(f"SFTConfig.agg={self.agg!r}; expected one of {AGGREGATE_MODES}")
+        if self.agg not in ops.AGGREGATE_MODES:
+            raise ValueError(f"SFTConfig.agg={self.agg!r}; expected one of {ops.AGGREGATE_MODES}")
         if self.agg == "seq-mean-token-sum-norm" and (self.norm_len is None or self.norm_len <= 0):
             raise ValueError("SFTConfig.agg='seq-mean-token-sum-norm' needs norm_len > 0")
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:

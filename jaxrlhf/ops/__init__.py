@@ -23,7 +23,7 @@ from jaxrlhf.ops._advantages import (
     group_advantages,
     whiten,
 )
-from jaxrlhf.ops._kl import approx_kl, kl, shape_rewards
+from jaxrlhf.ops._kl import KL_ESTIMATORS, approx_kl, kl, shape_rewards
 from jaxrlhf.ops._linear_logprobs import LinearLogprobs, linear_logprobs
 from jaxrlhf.ops._logprobs import (
     entropy,
@@ -32,7 +32,7 @@ from jaxrlhf.ops._logprobs import (
     token_logprobs,
 )
 from jaxrlhf.ops._losses import dpo_loss, policy_loss, reward_model_loss, value_loss
-from jaxrlhf.ops._masked import aggregate, masked_mean, masked_sum, masked_var
+from jaxrlhf.ops._masked import AGGREGATE_MODES, aggregate, masked_mean, masked_sum, masked_var
 
 __all__ = [
     # log-probabilities (SPEC §2)
@@ -43,6 +43,7 @@ __all__ = [
     "LinearLogprobs",
     "linear_logprobs",
     # KL (SPEC §3)
+    "KL_ESTIMATORS",
     "kl",
     "approx_kl",
     "shape_rewards",
@@ -53,6 +54,7 @@ __all__ = [
     "group_advantages",
     "broadcast_sequence",
     # losses and aggregation (SPEC §5)
+    "AGGREGATE_MODES",
     "aggregate",
     "policy_loss",
     "value_loss",

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, sft
+from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
 from jaxrlhf.runs import setup
@@ -172,9 +172,7 @@ def _host_reward_step(model, tx, gcfg, reward, schedule, placement: Placement, s
         out, scores = compiled["roll"](*args)
         t0 = time.perf_counter()
         mine = jax.tree.map(placement.local_rows, out)  # the responses to this process's prompts
-        extras = {k: np.repeat(np.asarray(local[k]), g, axis=0) if hasattr(local[k], "shape")
-                  else [x for x in local[k] for _ in range(g)] for k in keys}
-        host = reward.host_scores(rewards_lib.RewardInput.from_sample(mine), extras)
+        host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, g)
         host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
         dt = time.perf_counter() - t0
         state, metrics = learn(state, out, {**scores, **placement.global_batch(host, rows * g)}, rng)

@@ -150,3 +150,39 @@ def test_auto_head_picks_by_size():
     assert not common.uses_chunked_head(big.replace(logprobs_head="plain"), 64, 4096)
     with pytest.raises(ValueError, match="logprobs_head='fused'; expected one of"):
         CFG.replace(logprobs_head="fused")
+
+
+def test_minibatch_scan_visits_every_row_once_per_pass_and_summarizes():
+    batch = {"x": jnp.arange(8.0)}
+
+    def step(total, mb):
+        s = jnp.sum(mb["x"])
+        return total + s, {"sum": s, "ratio_max": jnp.max(mb["x"]), "finite": s < 20}
+
+    total, stacked = jax.jit(lambda b, k: common.minibatch_scan(step, 0.0, b, k, passes=3, minibatches=2))(
+        batch, jax.random.key(0))
+    assert stacked["sum"].shape == (6,) and float(total) == 3 * 28.0
+    np.testing.assert_allclose(stacked["sum"].reshape(3, 2).sum(1), 28.0)  # each pass: every row once
+    whole = common.minibatch_scan(step, 0.0, batch, None, passes=2, minibatches=1, shuffle=False)[1]
+    np.testing.assert_allclose(whole["sum"], [28.0, 28.0])
+    m = common.summarize_steps(stacked, skipped="skipped", first={"first/ratio_max": "ratio_max"})
+    assert float(m["sum"]) == 14.0 and float(m["ratio_max"]) == 7.0 and m["first/ratio_max"] == stacked["ratio_max"][0]
+    assert bool(m["finite"]) == bool(jnp.all(stacked["finite"])) and int(m["skipped"]) == int(jnp.sum(~stacked["finite"]))
+
+
+def test_jit_keeping_frozen_donates_only_the_trained_fields():
+    import flax
+
+    @flax.struct.dataclass
+    class State:
+        w: jax.Array
+        frozen: jax.Array
+
+    def fn(state, x):
+        return state.replace(w=state.w + state.frozen * x), x
+
+    call = common.jit_keeping_frozen(fn, ("frozen",), donate=True)
+    state = State(jnp.ones(3), jnp.full(3, 2.0))
+    new, x = call(state, 3.0)
+    np.testing.assert_allclose(new.w, 7.0)
+    assert new.frozen is state.frozen and not state.frozen.is_deleted()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import ops
-from jaxrlhf.algorithms import common, kl_controller, ppo
+from jaxrlhf.algorithms import common, kl_controller, ppo, reward_model, scoring
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, init_params
 
@@ -136,28 +136,32 @@ def test_vocab_mismatch_is_a_clear_error(params):
         ppo.make_iteration(actor, None, rm.clone(config=big), None, None, cfg)
 
 
-def test_reward_forms():
+def test_reward_forms(params):
     from jaxrlhf import rewards
 
     seq, attn, mask = _rollout_batch(2)
-    inp = ppo.RewardInputs(seq, attn, seq[:, P:], mask, {})
+    inp = rewards.RewardInput.from_sequences(seq, attn, P)
     expected = target_fraction(seq[:, P:], mask, {})
-    for form in (target_fraction, ppo.response_reward(target_fraction), rewards.jax_reward(target_fraction)):
-        spec, rparams = ppo.as_reward(form)
-        out = spec.fn(rparams, inp)
-        out = out[0] if isinstance(out, tuple) else out
-        np.testing.assert_allclose(out, expected)
-    spec, _ = ppo.as_reward(rewards.combine([(2.0, rewards.jax_reward(target_fraction, name="t7"))]))
-    total, metrics = spec.fn(None, inp)
-    np.testing.assert_allclose(total, 2 * expected)
-    np.testing.assert_allclose(metrics["reward/t7"], expected.mean())
+    for form in (target_fraction, rewards.jax_reward(target_fraction)):
+        reward, rparams = scoring.compiled_reward(form)
+        np.testing.assert_allclose(reward.total(reward.device_scores(inp, {}, rparams)), expected)
+    reward, _ = scoring.compiled_reward(rewards.combine([(2.0, rewards.jax_reward(target_fraction, name="t7"))]))
+    parts = reward.device_scores(inp, {})
+    np.testing.assert_allclose(reward.total(parts), 2 * expected)
+    np.testing.assert_allclose(reward.metrics(parts)["reward/t7"], expected.mean())
     length = lambda sequences, attention_mask: jnp.sum(attention_mask, axis=1).astype(jnp.float32)
-    np.testing.assert_allclose(ppo.as_reward(length)[0].fn(None, inp), jnp.sum(attn, axis=1))
+    reward, _ = scoring.compiled_reward(length)
+    np.testing.assert_allclose(reward.total(reward.device_scores(inp, {})), jnp.sum(attn, axis=1))
+    reward, rparams = scoring.compiled_reward((RM, params["rm"]))  # params kept apart, given at call time
+    assert rparams is params["rm"] and reward.components[0].vocab_size == V
+    last = P + jnp.sum(mask, axis=1) - 1
+    np.testing.assert_allclose(reward.device_scores(inp, {}, rparams)["reward_model"],
+                               RM.apply({"params": params["rm"]}, seq, attn).values[jnp.arange(8), last], atol=1e-6)
     host = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), tokenizer=object())
     with pytest.raises(TypeError, match="host"):
-        ppo.as_reward(host)
+        scoring.compiled_reward(host)
     with pytest.raises(TypeError, match="cannot tell"):
-        ppo.as_reward(lambda x: x)
+        scoring.compiled_reward(lambda x: x)
 
 
 def test_kl_controller_moves_beta_toward_target():
@@ -239,7 +243,7 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
                         kl_coef=0.3, missing_eos_penalty=0.5, reward_whitening="batch", reward_clip=1.5,
                         gamma=0.9, lam=0.8)
-    _, score, _ = ppo._phases(SHARED, None, ppo.as_reward(RM)[0], None, None, cfg)
+    _, score, _ = ppo._phases(SHARED, None, reward_model.as_reward(RM), None, None, cfg)
     seq, attn, mask = _rollout_batch(3)
     # The actor has moved away from the reference: KL is not zero.
     ref = jax.tree.map(lambda x: x + jnp.asarray(0.05 * np.random.default_rng(9).standard_normal(x.shape), x.dtype),

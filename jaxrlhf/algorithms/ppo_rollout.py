@@ -1,0 +1,182 @@
+"""PPO's rollout side, from the sampled sequences to the training batch (SPEC §3–§4, §7):
+
+    score_rollout       old logp (actor), ref logp (reference), values (critic or the
+                        actor's value head), the reward's score — forward passes only
+    process_scores      missing-EOS penalty → whitening → clipping of the scores
+    compute_advantages  KL (k1/k2/k3) → shape_rewards(β) → GAE(γ, λ) → whiten
+    rollout_metrics     what the rollout looked like (scores, KL, lengths, advantages)
+
+Pure functions of the arrays, a `PPOConfig` and (for `score_rollout`) a `PPOState`, all
+re-exported by `ppo`, whose iteration composes them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf import ops, rewards
+from jaxrlhf.algorithms import scoring
+from jaxrlhf.algorithms.common import response_hidden, response_logprobs
+from jaxrlhf.algorithms.scoring import RunningMoments
+from jaxrlhf.models.transformer import Transformer
+
+if TYPE_CHECKING:  # annotations only: ppo imports this module
+    from jaxrlhf.algorithms.ppo import PPOConfig, PPOState
+
+
+class Rollout(NamedTuple):
+    """A scored rollout batch, `N` rows.
+
+    sequences, attention_mask `[N, P+T]`; response_ids, response_mask `[N, T]`;
+    old_logp, ref_logp, sampler_logp `[N, T]` (τ-scaled); values `[N, T]` (V_t of the state
+    that predicts y_t); scores `[N]` raw reward (before `process_scores`).
+    """
+
+    sequences: jax.Array
+    attention_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    old_logp: jax.Array
+    ref_logp: jax.Array
+    sampler_logp: jax.Array
+    values: jax.Array
+    scores: jax.Array
+    reward_metrics: dict
+
+
+def score_rollout(
+    actor_model: Transformer,
+    critic_model: Transformer | None,
+    reward: rewards.Reward,
+    state: PPOState,
+    sequences: jax.Array,
+    attention_mask: jax.Array,
+    prompt_len: int,
+    cfg: PPOConfig,
+    *,
+    sampler_logp: jax.Array | None = None,
+    extras: Any = None,
+) -> Rollout:
+    """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
+    logp, values (critic, or the actor's value head when shared — one pass), and the reward
+    score: `reward`'s weighted total, its JAX components given `extras` (a dict of `[N, ...]`
+    arrays) and its reward model `state.reward_params`. All without gradient."""
+    tau = cfg.sampling.temperature
+    actor_params = jax.lax.stop_gradient(state.actor.params)
+    old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
+                                            temperature=tau)
+    ref_logp, _, _ = response_logprobs(actor_model, jax.lax.stop_gradient(state.ref_params), sequences,
+                                       attention_mask, prompt_len, temperature=tau)
+    if not cfg.shared:
+        _, values = response_hidden(critic_model, jax.lax.stop_gradient(state.critic.params), sequences,
+                                    attention_mask, prompt_len)
+    inputs = rewards.RewardInput.from_sequences(sequences, attention_mask, prompt_len)
+    response_ids, response_mask = inputs.response_ids, inputs.response_mask
+    parts = reward.device_scores(inputs, {} if extras is None else extras, state.reward_params)
+    reward_metrics = reward.metrics(parts)
+    scores = jnp.asarray(reward.total(parts), jnp.float32).reshape(sequences.shape[0])
+    if sampler_logp is None:
+        sampler_logp = old_logp
+    return Rollout(sequences, attention_mask, response_ids, response_mask, old_logp, ref_logp, sampler_logp,
+                   values.astype(jnp.float32), jax.lax.stop_gradient(scores),
+                   jax.lax.stop_gradient(dict(reward_metrics)))
+
+
+def process_scores(
+    scores_N: jax.Array,
+    response_ids_NxT: jax.Array,
+    response_mask_NxT: jax.Array,
+    stats: RunningMoments,
+    cfg: PPOConfig,
+) -> tuple[jax.Array, RunningMoments]:
+    """Raw scores → the scalars that go on the last token, in this order:
+
+    1. missing-EOS penalty (`scoring.missing_eos_penalty`, mode `missing_eos_mode`);
+    2. whitening: "batch" `(s − μ_batch)/sqrt(σ²_batch + 1e-8)`, or "running" with the
+       running moments updated by this batch first;
+    3. clipping to `[−reward_clip, reward_clip]`.
+
+    Returns `(scores [N], updated running moments)`.
+    """
+    s = scores_N.astype(jnp.float32)
+    if cfg.missing_eos_penalty is not None:
+        s = scoring.missing_eos_penalty(s, response_ids_NxT, response_mask_NxT, eos_id=cfg.sampling.eos_id,
+                                        penalty=cfg.missing_eos_penalty, mode=cfg.missing_eos_mode)
+    if cfg.reward_whitening == "batch":
+        s = (s - jnp.mean(s)) / jnp.sqrt(jnp.var(s) + 1e-8)
+    elif cfg.reward_whitening == "running":
+        stats = stats.update(s)
+        s = (s - stats.mean) / jnp.sqrt(stats.var + 1e-8)
+    if cfg.reward_clip is not None:
+        s = jnp.clip(s, -cfg.reward_clip, cfg.reward_clip)
+    return s, stats
+
+
+class Advantages(NamedTuple):
+    """All `[N, T]` float32, 0 on padding. `advantages` whitened if configured; `raw_advantages`
+    before whitening; `returns` the critic's targets; `rewards` the shaped per-token
+    rewards; `kl` the per-token KL of `cfg.kl_estimator`."""
+
+    advantages: jax.Array
+    raw_advantages: jax.Array
+    returns: jax.Array
+    rewards: jax.Array
+    kl: jax.Array
+
+
+def compute_advantages(
+    scores_N: jax.Array,
+    old_logp_NxT: jax.Array,
+    ref_logp_NxT: jax.Array,
+    values_NxT: jax.Array,
+    mask_NxT: jax.Array,
+    beta: float | jax.Array,
+    cfg: PPOConfig,
+) -> Advantages:
+    """SPEC §3–§4 composed from ops, nothing else:
+
+        kl = ops.kl(old_logp, ref_logp, estimator)
+        r  = ops.shape_rewards(scores, kl, mask, β)        (−β·kl every token, + score last)
+        A, R = ops.gae(r, values, mask, γ, λ)
+        A  = ops.whiten(A, mask)                            (if whiten_advantages)
+    """
+    kl = jnp.where(mask_NxT, ops.kl(old_logp_NxT, ref_logp_NxT, estimator=cfg.kl_estimator), 0.0)
+    rewards = ops.shape_rewards(scores_N, kl, mask_NxT, beta)
+    adv, ret = ops.gae(rewards, values_NxT, mask_NxT, gamma=cfg.gamma, lam=cfg.lam)
+    white = ops.whiten(adv, mask_NxT) if cfg.whiten_advantages else adv
+    white = jnp.where(mask_NxT, white, 0.0)
+    return Advantages(white, adv, ret, rewards, kl)
+
+
+def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cfg: PPOConfig) -> dict:
+    """SPEC §7 rollout-side metrics (all float32 scalars)."""
+    mask = roll.response_mask
+    length = jnp.sum(mask, axis=1).astype(jnp.float32)
+    k1 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k1")
+    k3 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k3")
+    out = dict(
+        score_mean=jnp.mean(raw_scores), score_std=jnp.std(raw_scores),
+        score_processed_mean=jnp.mean(scores),
+        shaped_reward_mean=jnp.mean(jnp.sum(adv.rewards, axis=1)),
+        kl_k1=ops.masked_mean(k1, mask), kl_k3=ops.masked_mean(k3, mask),
+        kl_seq=jnp.mean(jnp.sum(adv.kl, axis=1)),  # nats per response, the controller's input
+        beta=jnp.asarray(beta, jnp.float32),
+        response_length_mean=jnp.mean(length), response_length_max=jnp.max(length),
+        advantage_mean=ops.masked_mean(adv.raw_advantages, mask),
+        advantage_std=jnp.sqrt(ops.masked_var(adv.raw_advantages, mask)),
+        returns_mean=ops.masked_mean(adv.returns, mask),
+        values_mean=ops.masked_mean(roll.values, mask),
+        sampler_logp_diff_max=jnp.max(jnp.where(mask, jnp.abs(roll.sampler_logp - roll.old_logp), 0.0)),
+        num_tokens=jnp.sum(mask, dtype=jnp.float32),
+        **roll.reward_metrics,
+    )
+    if cfg.sampling.eos_id is not None:
+        has_eos = jnp.any((roll.response_ids == cfg.sampling.eos_id) & mask, axis=1)
+        out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))
+    return out
+
+
+__all__ = ["Advantages", "Rollout", "compute_advantages", "process_scores", "rollout_metrics", "score_rollout"]
