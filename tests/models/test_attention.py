@@ -14,7 +14,7 @@ from jaxrlhf.models import attention
 from jaxrlhf.models.attention import AttentionMask
 
 from jaxrlhf.algorithms import common
-from jaxrlhf.models import Transformer, load_pretrained
+from jaxrlhf.models import load_pretrained
 from jaxrlhf.rollout import generate
 
 from .conftest import PAD, VOCAB

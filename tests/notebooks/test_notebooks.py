@@ -1,6 +1,5 @@
 """The notebooks run top to bottom (they are committed without outputs)."""
 
-import os
 from pathlib import Path
 
 import nbformat

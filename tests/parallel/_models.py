@@ -6,7 +6,6 @@ Importable without touching devices (no jax computation at import).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

@@ -15,7 +15,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
