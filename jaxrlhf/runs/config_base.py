@@ -129,13 +129,15 @@ def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
 
 
 def ppo(**kw) -> mlc.ConfigDict:
-    """RLHF-PPO; see `jaxrlhf.algorithms.ppo.PPOConfig` for each field (0 / "" = off)."""
+    """RLHF-PPO; see `jaxrlhf.algorithms.ppo.PPOConfig` for each field (0 / "" = off).
+    `reward`: "model" (a reward model trained on the task's pairs, the `reward_model`
+    section) or "task" (the task's rule-based reward; no reward model)."""
     opt = kw.pop("optim", {})
     copt = kw.pop("critic_optim", {})
     samp = kw.pop("sampling", {})
     return mlc.ConfigDict(dict(dict(
         steps=100, prompts_per_step=32, seed=0, sampling=sampling(**dict(dict(num_samples=1), **samp)),
-        kl_estimator="k1", kl_coef=0.05, kl_target=0.0, kl_horizon=10000, missing_eos_penalty=0.0,
+        reward="model", kl_estimator="k1", kl_coef=0.05, kl_target=0.0, kl_horizon=10000, missing_eos_penalty=0.0,
         reward_whitening="", reward_clip=0.0, gamma=1.0, lam=0.95, whiten_advantages=True, clip=0.2, vf_clip=0.2,
         vf_coef=0.1, ent_coef=0.0, agg="token-mean", num_ppo_epochs=4, num_minibatches=1, num_microbatches=1,
         critic="separate", optim=optim(**opt), critic_optim=optim(**copt)), **kw))

@@ -75,6 +75,8 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
     sampled = SampledEval.from_config(config.train)  # checked before any work
+    if config.algorithm == "ppo":
+        phases.ppo_reward(config.ppo)
     start = time.perf_counter()
     placement = Placement.from_config(config)
     main = jax.process_index() == 0
@@ -104,17 +106,21 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.grpo_phase(config.grpo, config.train, params=params, rng=jax.random.fold_in(rng, 2),
                                           **common)
-        if config.algorithm in ("ppo", "reward_model"):
+        learned_reward = config.algorithm == "reward_model" or (
+            config.algorithm == "ppo" and phases.ppo_reward(config.ppo) == "model")
+        rm = None
+        if learned_reward:
             rm_model, rm_params, rm_eval = phases.reward_model_phase(
                 config.reward_model, config.train, policy_model=model, policy_params=params, task=task,
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement)
             extras["reward_model_heldout"] = rm_eval
             log.info("reward model held-out pair accuracy %.3f", rm_eval["accuracy"])
+            rm = (rm_model, rm_params)
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.ppo_phase(config.ppo, config.train, params=params,
-                                         reward_model_and_params=(rm_model, rm_params),
+                                         reward_model_and_params=rm,
                                          rng=jax.random.fold_in(rng, 4), **common)
         if config.algorithm == "dpo":
             rows.append((rl_start, accuracy(params)))

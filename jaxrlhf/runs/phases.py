@@ -122,7 +122,8 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     """
     placement = placement or Placement.local()
     gcfg = grpo_config(cfg, task, monitor_kl=train.monitor.kl_target > 0)
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
+    # the schedule counts optimizer steps: μ passes × minibatches per iteration
+    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps * cfg.num_iterations * cfg.num_minibatches)
     keys = task.extra_keys
     dynamic_pool = cfg.dynamic_sampling and cfg.pool_size > 0
     pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
@@ -274,6 +275,18 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     return state.params, pair_eval(state.params)
 
 
+PPO_REWARDS = ("model", "task")
+
+
+def ppo_reward(cfg) -> str:
+    """`cfg.reward` of a `ppo` config section, checked: "model" (a reward model trained on
+    the task's preference pairs first) or "task" (the task's own rule-based reward)."""
+    if cfg.reward not in PPO_REWARDS:
+        raise ValueError(f"ppo.reward={cfg.reward!r}; expected one of {PPO_REWARDS} ('model': a reward model "
+                         "learned from the task's preference pairs, 'task': the task's own reward)")
+    return cfg.reward
+
+
 def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
     sampling = setup.build_sampling(cfg.sampling, eos_id=task.eos_id, pad_id=task.pad_id)
     opt = lambda v: v if v > 0 else None
@@ -286,20 +299,32 @@ def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
         num_minibatches=cfg.num_minibatches, num_microbatches=cfg.num_microbatches, critic=cfg.critic)
 
 
-def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task, workdir, writer, rng,
+def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
               placement: Placement | None = None, eval_fn=None, should_stop=None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
-    (or shared), and the frozen reward model. The held-out exact-match accuracy (the true
-    reward, `eval/accuracy`) is logged beside the reward-model score (`score_mean`): the
-    score going up is not the same as getting better.
+    (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
+    (`ppo.reward="task"`), the task's own rule-based reward (a JAX reward, given the
+    task's extras). The held-out exact-match accuracy (the true reward, `eval/accuracy`)
+    is logged beside the score the policy optimises (`score_mean`): with a learned reward
+    model, the score going up is not the same as getting better.
 
     On the mesh, each role's fields of the state take that model's shardings: actor and
     reference the policy's, the critic its own, the reward model its own.
     """
     placement = placement or Placement.local()
     pcfg = ppo_config(cfg, task)
-    tx_actor, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
-    rm_model, rm_params = reward_model_and_params
+    # the schedules count optimizer steps: epochs × minibatches per iteration
+    updates = cfg.steps * cfg.num_ppo_epochs * cfg.num_minibatches
+    tx_actor, schedule = setup.build_optimizer(cfg.optim, total_steps=updates)
+    if reward_model_and_params is not None:
+        rm_model, rm_params = reward_model_and_params
+        reward, keys = rm_model, ()
+    else:
+        rm_model = rm_params = None
+        reward, keys = rewards_lib.as_reward(task.reward), task.extra_keys
+        if not reward.is_jax:
+            raise ValueError(f"ppo.reward='task': the {task.name!r} task's reward runs on the host; the PPO step "
+                             "needs a JAX reward (or ppo.reward='model', a learned reward model)")
     critic_model = critic_params = tx_critic = None
     actor_model = model
     if pcfg.shared:
@@ -308,24 +333,28 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
         params = dict(params, value_head={"kernel": jnp.zeros((d, 1), jnp.dtype(model.config.param_dtype))})
     else:
         critic_model, critic_params = reward_model.init_from_policy(model, params, seed=cfg.seed + 1)
-        tx_critic, _ = setup.build_optimizer(cfg.critic_optim, total_steps=cfg.steps)
-    actor_sh, rm_sh = placement.param_shardings(actor_model), placement.param_shardings(rm_model)
-    roles = {"actor": actor_sh, "ref_params": actor_sh, "reward_params": rm_sh}
-    args = [placement.place(params, actor_sh), placement.place(rm_params, rm_sh), None]
+        tx_critic, _ = setup.build_optimizer(cfg.critic_optim, total_steps=updates)
+    actor_sh = placement.param_shardings(actor_model)
+    roles = {"actor": actor_sh, "ref_params": actor_sh}
+    args = [placement.place(params, actor_sh), None, None]
+    if rm_model is not None:
+        roles["reward_params"] = placement.param_shardings(rm_model)
+        args[1] = placement.place(rm_params, roles["reward_params"])
     if critic_model is not None:
         roles["critic"] = placement.param_shardings(critic_model)
         args[2] = placement.place(critic_params, roles["critic"])
 
     def make(actor_params, reward_params, critic_params):
         return ppo.init_state(pcfg, actor_model, actor_params, tx_actor, critic_model=critic_model,
-                              critic_params=critic_params, tx_critic=tx_critic, reward=(rm_model, reward_params))
+                              critic_params=critic_params, tx_critic=tx_critic,
+                              reward=reward if rm_model is None else (rm_model, reward_params))
 
     state, state_sh = placement.init_state(make, *args, roles=roles)
-    iteration = ppo.make_iteration(actor_model, critic_model, rm_model, tx_actor, tx_critic, pcfg,
+    iteration = ppo.make_iteration(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg,
                                    lr_schedule=schedule, donate=False)  # the sharded step donates the state
 
     def fused(state, batch, rng):
-        return iteration(state, batch["prompt_ids"], batch["prompt_mask"], rng)
+        return iteration(state, batch["prompt_ids"], batch["prompt_mask"], rng, {k: batch[k] for k in keys})
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
@@ -333,7 +362,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
     state, last = run_phase(
         _phase("ppo", cfg, train, show=("score_mean", "kl_k1", "eval/accuracy")), workdir=workdir, state=state,
         step_fn=_sharded_step(fused, placement, state_sh, cfg.prompts_per_step),
-        batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask")}, cfg.prompts_per_step,
+        batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),
         rng=rng, writer=writer, monitor=health_monitor(train, "ppo", clip=pcfg.clip, kl_target=pcfg.kl_target),
         eval_fn=evaluate,
@@ -344,4 +373,4 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params, task: Task,
     return params, last
 
 
-__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "reward_model_phase", "sft_phase"]
+__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "ppo_reward", "reward_model_phase", "sft_phase"]

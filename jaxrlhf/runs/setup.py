@@ -60,9 +60,11 @@ def _options(cfg) -> dict:
 def build_optimizer(cfg, *, total_steps: int):
     """`config.optim`-like section -> `(tx, schedule)`.
 
-    The schedule spans `cfg.decay_steps` when set (> 0), else the phase's `total_steps`:
-    a phase may stop part-way through its schedule (the built-in task's SFT warm start
-    does, to leave the policy often wrong for RL to improve).
+    The schedule spans `cfg.decay_steps` when set (> 0), else the phase's `total_steps`,
+    both counted in optimizer steps (a PPO iteration makes epochs × minibatches of them, a
+    GRPO one μ × minibatches; `warmup_steps` too): a phase may stop part-way through its
+    schedule (the built-in task's SFT warm start does, to leave the policy often wrong for
+    RL to improve).
     """
     return common.make_optimizer(common.OptimConfig(
         lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps,

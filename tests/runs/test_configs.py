@@ -80,3 +80,28 @@ def test_model_options_reach_the_model_config():
     assert (model.config.attention, model.config.cache_dtype) == ("chunked", "bfloat16")
     with pytest.raises(ValueError, match="attention='flash'"):
         setup.build_model(config_base.model(attention="flash"), vocab_size=16)
+
+
+def test_unknown_ppo_reward_is_an_error_before_any_work(tmp_path):
+    config = _load(Path(__file__).resolve().parents[2] / "configs" / "addition_ppo_rule.py").get_config("tiny")
+    config.unlock()
+    config.ppo.reward = "learned"
+    with pytest.raises(ValueError, match=r"ppo.reward='learned'; expected one of \('model', 'task'\)"):
+        train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_rl_schedules_count_optimizer_steps(tmp_path):
+    """A PPO iteration makes epochs × minibatches optimizer steps: the learning-rate schedule
+    spans all of them, so a linear decay is still above 0 at the last iteration (it reached
+    0 halfway when the schedule counted iterations)."""
+    config = _load(Path(__file__).resolve().parents[2] / "configs" / "addition_ppo_rule.py").get_config("tiny")
+    config.unlock()
+    config.ppo.update(steps=3, num_ppo_epochs=2, num_minibatches=1)
+    config.ppo.optim.update(lr=1e-3, schedule="linear", warmup_steps=0)
+    config.train.update(eval_every=0, export=False)
+    train_and_evaluate(config, tmp_path)
+    lrs = [r["ppo/lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+           if "ppo/lr" in r]
+    # logged before each iteration's updates, at optimizer steps 0, 2, 4 of 6
+    assert lrs == pytest.approx([1e-3, 1e-3 * 4 / 6, 1e-3 * 2 / 6], rel=1e-5)
