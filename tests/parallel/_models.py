@@ -52,7 +52,7 @@ def make_step(model: Transformer, tx: optax.GradientTransformation):
         del rng
         (loss, metrics), grads = jax.value_and_grad(lambda p: loss_fn(model, p, b), has_aux=True)(state.params)
         state = state.apply_gradients(grads, tx)
-        return state, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return step
 
 
