@@ -179,6 +179,12 @@ class GRPOConfig:
         return g if share else 1
 
     @property
+    def updates_per_iteration(self) -> int:
+        """Optimizer steps one iteration makes (μ passes × minibatches): what a learning-rate
+        schedule over a run of iterations counts."""
+        return self.num_iterations * self.num_minibatches
+
+    @property
     def reuses_rollout_logp(self) -> bool:
         """μ = 1 with one minibatch: the policy being updated *is* the rollout policy, so the
         old log-probs are the training forward's own (stop-gradient), ratio exactly 1, and

@@ -205,6 +205,12 @@ class PPOConfig:
         return self.sampling.max_new_tokens if self.agg == "seq-mean-token-sum-norm" else None
 
     @property
+    def updates_per_iteration(self) -> int:
+        """Optimizer steps one iteration makes (epochs × minibatches): what a learning-rate
+        schedule over a run of iterations counts."""
+        return self.num_ppo_epochs * self.num_minibatches
+
+    @property
     def shared(self) -> bool:
         return self.critic == "shared"
 

@@ -107,7 +107,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
             params, _ = phases.grpo_phase(config.grpo, config.train, params=params, rng=jax.random.fold_in(rng, 2),
                                           **common)
         learned_reward = config.algorithm == "reward_model" or (
-            config.algorithm == "ppo" and phases.ppo_reward(config.ppo) == "model")
+            config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
         rm = None
         if learned_reward:
             rm_model, rm_params, rm_eval = phases.reward_model_phase(

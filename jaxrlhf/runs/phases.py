@@ -101,7 +101,8 @@ def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig
     sampling = setup.build_sampling(cfg.sampling, eos_id=task.eos_id, pad_id=task.pad_id)
     return grpo.GRPOConfig(
         sampling=sampling, advantage=cfg.advantage, adv_eps=cfg.adv_eps, beta=cfg.beta,
-        track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high if cfg.clip_high > 0 else None,
+        track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high if cfg.clip_high > 0 else None,
         dual_clip=cfg.dual_clip if cfg.dual_clip > 0 else None, agg=cfg.agg,
         norm_len=cfg.norm_len if cfg.norm_len > 0 else None, entropy_coef=cfg.entropy_coef,
         num_iterations=cfg.num_iterations, num_minibatches=cfg.num_minibatches,
@@ -122,8 +123,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     """
     placement = placement or Placement.local()
     gcfg = grpo_config(cfg, task, monitor_kl=train.monitor.kl_target > 0)
-    # the schedule counts optimizer steps: μ passes × minibatches per iteration
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps * cfg.num_iterations * cfg.num_minibatches)
+    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps * gcfg.updates_per_iteration)
     keys = task.extra_keys
     dynamic_pool = cfg.dynamic_sampling and cfg.pool_size > 0
     pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
@@ -313,8 +313,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     """
     placement = placement or Placement.local()
     pcfg = ppo_config(cfg, task)
-    # the schedules count optimizer steps: epochs × minibatches per iteration
-    updates = cfg.steps * cfg.num_ppo_epochs * cfg.num_minibatches
+    updates = cfg.steps * pcfg.updates_per_iteration  # the schedules count optimizer steps
     tx_actor, schedule = setup.build_optimizer(cfg.optim, total_steps=updates)
     if reward_model_and_params is not None:
         rm_model, rm_params = reward_model_and_params
