@@ -172,10 +172,12 @@ def hidden_logprobs(model: Transformer, params, hidden_BxTxD, targets_BxT, *, te
     return out.logp, out.entropy
 
 
-# `logprobs_head="auto"` fuses the head from this many logits per pass (B·T·V = 2**26, one
-# float32 copy 256 MiB): below it the plain path's logits are small, and it runs the
-# built-in task's tiny vocabularies exactly as before.
-CHUNKED_HEAD_FROM = 2**26
+# `logprobs_head="auto"` fuses the head from this many logits per pass (B·T·V = 2**24, one
+# float32 copy 64 MiB, of which the plain path holds several under `grad`). Below it the
+# plain path's logits are small; the built-in task's tiny vocabularies always stay there.
+# At and above it the fused head costs the same step time (SmolLM2-135M GRPO, 16 × 64
+# responses: docs/benchmarks.md) and saves the copies.
+CHUNKED_HEAD_FROM = 2**24
 
 
 def uses_chunked_head(config: ModelConfig, rows: int, positions: int) -> bool:

@@ -141,11 +141,11 @@ def test_chunked_head_equals_plain_head(tied):
 
 
 def test_auto_head_picks_by_size():
-    # B·T·V against CHUNKED_HEAD_FROM = 2**26: V = 151,936 at B·T = 442 is 67.2M ≥ 2**26 =
-    # 67.1M, at B·T = 441 below; the built-in task's V ≈ 20 never reaches it.
+    # B·T·V against CHUNKED_HEAD_FROM = 2**24: V = 151,936 at B·T = 111 is 16.86M ≥ 2**24 =
+    # 16.78M, at B·T = 110 below; the built-in task (V ≈ 20, B·T in the thousands) stays plain.
     big = CFG.replace(vocab_size=151_936)
-    assert common.uses_chunked_head(big, 2, 221) and not common.uses_chunked_head(big, 1, 441)
-    assert not common.uses_chunked_head(CFG.replace(vocab_size=20), 256, 4096)
+    assert common.uses_chunked_head(big, 3, 37) and not common.uses_chunked_head(big, 1, 110)
+    assert not common.uses_chunked_head(CFG.replace(vocab_size=20), 256, 1024)
     assert common.uses_chunked_head(CFG.replace(logprobs_head="chunked"), 1, 1)
     assert not common.uses_chunked_head(big.replace(logprobs_head="plain"), 64, 4096)
     with pytest.raises(ValueError, match="logprobs_head='fused'; expected one of"):
