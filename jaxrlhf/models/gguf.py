@@ -135,6 +135,8 @@ def _model_config(meta: dict, tensor_names: set[str], path: Path, dtype: str) ->
         value = meta.get(f"{arch}.{name}", default)
         if value is KeyError:
             raise GGUFError(f"{path}: metadata {arch}.{name} is missing")
+        if isinstance(value, list):
+            raise GGUFError(f"{path}: {arch}.{name} varies per layer ({value[:4]}...), which is not supported")
         return value
 
     if key("expert_count", 0):
@@ -164,7 +166,7 @@ def _model_config(meta: dict, tensor_names: set[str], path: Path, dtype: str) ->
         return any(n.endswith(part) for n in tensor_names)
 
     try:
-        return ModelConfig(
+        config = ModelConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
             num_layers=key("block_count"), num_heads=heads,
             num_kv_heads=key("attention.head_count_kv", None) or heads, head_dim=head_dim, model_type=arch,
@@ -177,8 +179,10 @@ def _model_config(meta: dict, tensor_names: set[str], path: Path, dtype: str) ->
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), dtype=dtype, param_dtype=dtype)
+        to_hf_dict(config)  # refuses what HF cannot express (Llama biases on q/k/v but not o)
     except UnsupportedConfigError as e:
         raise GGUFError(f"{path}: {e}") from None
+    return config
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -252,7 +256,12 @@ def _write_weights(tmp: str, plan, config: ModelConfig, dtype: str, max_shard_by
     """The safetensors file(s), one shard in memory at a time; returns the parameter count."""
     from safetensors.numpy import save_file
 
-    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(__import__("ml_dtypes").bfloat16)
+    if dtype == "bfloat16":
+        import ml_dtypes  # numpy has no bfloat16; jax's ml_dtypes does, and safetensors writes it
+
+        np_dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        np_dtype = np.dtype(dtype)
     sizes = [int(np.prod([int(d) for d in t.shape])) for _, t in plan]
     shards, total = [[]], 0
     for item, n in zip(plan, sizes):

@@ -72,7 +72,8 @@ def stored(w: np.ndarray, qtype) -> np.ndarray:
 
 
 def make_gguf(path: Path, arch: str = "llama", *, tied: bool = False, head_dim: int = 16, seed: int = 0,
-              types: dict | None = None) -> dict[str, np.ndarray]:
+              types: dict | None = None, linear_rope: float | None = None,
+              extra: tuple = ()) -> dict[str, np.ndarray]:
     """Write a tiny `arch` GGUF at `path`; return the HF tensors it should convert back to."""
     rng = np.random.default_rng(seed)
     qkv_bias, qk_norm = arch == "qwen2", arch == "qwen3"
@@ -122,6 +123,9 @@ def make_gguf(path: Path, arch: str = "llama", *, tied: bool = False, head_dim: 
     w.add_rope_freq_base(1000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
+    if linear_rope:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_rope)
     if head_dim != D // N:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -136,7 +140,7 @@ def make_gguf(path: Path, arch: str = "llama", *, tied: bool = False, head_dim: 
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
-    for name, array, qtype in entries:
+    for name, array, qtype in entries + list(extra):
         if qtype in (Q.F32, Q.F16):
             w.add_tensor(name, array.astype(np.float32 if qtype == Q.F32 else np.float16))
         elif array.dtype == np.uint8:  # raw blocks
@@ -264,6 +268,18 @@ def test_bfloat16_and_shards(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def test_linear_rope_scaling(tmp_path):
+    src = tmp_path / "rope.gguf"
+    make_gguf(src, "llama", linear_rope=4.0, seed=3)
+    out = Path(convert.convert_gguf(src, tmp_path / "out")["out"])
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"]) == ("linear", 4.0)
+    ids, mask = batch(3)
+    folder = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids, mask)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(jax_logits(out, ids, mask)[valid], folder[valid], atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -313,6 +329,11 @@ def test_unsupported_quantisation_and_architecture(tmp_path):
                        "which gguf cannot de-quantise"):
         convert.convert_gguf(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+    freqs = tmp_path / "llama31.gguf"
+    make_gguf(freqs, "llama", extra=[("rope_freqs.weight", np.ones(8), Q.F32)])
+    with pytest.raises(convert.GGUFError, match=r"llama31\.gguf: the file has a rope_freqs tensor"):
+        convert.convert_gguf(freqs, tmp_path / "out")
 
     other = tmp_path / "gemma.gguf"
     w = gguf.GGUFWriter(str(other), "gemma2")
