@@ -46,12 +46,14 @@ from jaxrlhf.data.records import (
 )
 from jaxrlhf.data.rewards import exact_match, exact_match_reward, token_match_fraction, token_match_reward
 from jaxrlhf.data.text_rewards import (
+    answer_format_reward,
     decode_responses,
     exact_match_text,
     extract_final_answer,
     final_answer_reward,
     normalize_number,
 )
+from jaxrlhf.data.word_problems import make_word_problems
 
 __all__ = [
     "AdditionTask", "PreferencePairs", "Problems", "format_answer", "format_prompt", "is_held_out",
@@ -63,6 +65,6 @@ __all__ = [
     "read_preference_pairs", "read_prompts", "read_records",
     "DataError", "PairData", "PromptData", "SkipReport", "pairs_from_records", "prompts_from_records",
     "exact_match", "exact_match_reward", "token_match_fraction", "token_match_reward",
-    "decode_responses", "exact_match_text", "extract_final_answer", "final_answer_reward",
-    "normalize_number",
+    "answer_format_reward", "decode_responses", "exact_match_text", "extract_final_answer", "final_answer_reward",
+    "normalize_number", "make_word_problems",
 ]

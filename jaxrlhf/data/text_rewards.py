@@ -112,3 +112,13 @@ def final_answer_reward(responses: Sequence[str], references: Sequence[str]) -> 
         want, got = extract_final_answer(reference), extract_final_answer(response)
         out.append(float(want is not None and got == want))
     return np.asarray(out, dtype=np.float32)
+
+
+def answer_format_reward(responses: Sequence[str]) -> np.ndarray:
+    """[B] float32: 1.0 where the response states its final answer in GSM8K's format, a
+    "####" followed by exactly one number ("#### 42"), whatever that number is."""
+    out = []
+    for response in responses:
+        hashes = [m.group(1) for m in _HASHES.finditer(response)]
+        out.append(float(bool(hashes) and len(_NUMBER.findall(hashes[-1])) == 1))
+    return np.asarray(out, dtype=np.float32)

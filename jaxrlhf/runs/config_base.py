@@ -40,6 +40,15 @@ def jsonl_task(**kw) -> mlc.ConfigDict:
         max_prompt_tokens=256, max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip"), **kw))
 
 
+def word_problems_task(**kw) -> mlc.ConfigDict:
+    """Generated one-digit arithmetic questions in words for a Hugging Face chat model
+    (`data.make_word_problems`); reward = exact answer + format_weight × "#### <n>" format."""
+    return mlc.ConfigDict(dict(dict(
+        name="word_problems", tokenizer_path="", num_train=4000, num_test=200, seed=0, max_prompt_tokens=128,
+        max_new_tokens=48, chat_template=True, system_prompt="Answer with '#### <number>'.", format_weight=0.0),
+        **kw))
+
+
 def model(**kw) -> mlc.ConfigDict:
     """A fresh model of these sizes, or `path=` a local Hugging Face checkpoint folder."""
     return mlc.ConfigDict(dict(dict(

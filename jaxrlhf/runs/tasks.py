@@ -4,6 +4,8 @@
 tokenizer and an exact answer. "jsonl" reads prompts/answers (and preference pairs) from
 local files with a Hugging Face tokenizer, and scores answers on the host with
 `data.final_answer_reward` (GSM8K-style "#### 42", `\\boxed{}` or the last number).
+"word_problems" generates one-digit arithmetic questions in words for a real chat model
+(`data.make_word_problems`), scored the same way, plus an optional answer-format reward.
 """
 
 from __future__ import annotations
@@ -108,26 +110,23 @@ def _prompt_arrays(prompts: data.PromptData, prompt_len: int, pad_id: int) -> di
     return dict(prompt_ids=ids, prompt_mask=mask, answer=np.asarray(prompts.answer, dtype=object))
 
 
-def jsonl(cfg, *, tokenizer_path: str) -> Task:
-    """Prompts and reference answers from JSONL/Parquet files, a Hugging Face tokenizer,
-    and a host-side exact-answer reward (`data.final_answer_reward`)."""
-    from jaxrlhf.models import load_tokenizer
-
-    if not tokenizer_path:
-        raise ValueError("task.name='jsonl' needs a tokenizer: set model.path (or task.tokenizer_path)")
-    tok = load_tokenizer(tokenizer_path, chat_template=bool(cfg.chat_template))
-    read = lambda path: data.read_prompts(path, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                                          max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
-                                          system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
-    train, test = read(cfg.path), read(cfg.test_path or cfg.path)
+def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cfg, *, source: str,
+               format_weight: float = 0.0) -> Task:
+    """A task on text prompts with reference answers: a Hugging Face tokenizer, and on the
+    host the exact-answer reward (`data.final_answer_reward`, the evaluation's accuracy),
+    plus `format_weight` × `data.answer_format_reward` when that weight is > 0."""
     if not train.prompt_ids or not test.prompt_ids:
-        raise ValueError(f"task.path={cfg.path}: no usable prompts ({train.skipped})")
+        raise ValueError(f"{source}: no usable prompts (train: {train.skipped}; test: {test.skipped})")
     prompt_len = max(len(x) for x in train.prompt_ids + test.prompt_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     reward = rewards.host_reward(lambda prompts, responses, ex: data.final_answer_reward(responses, ex["answer"]),
                                  tok, name="exact_answer")
+    if format_weight > 0:
+        fmt = rewards.host_reward(lambda prompts, responses, ex: data.answer_format_reward(responses), tok,
+                                  name="format")
+        reward = rewards.combine([(1.0, reward), (float(format_weight), fmt)])
     return Task(
-        name="jsonl", tokenizer=tok, vocab_size=len(tok), pad_id=pad_id, bos_id=tok.bos_token_id,
+        name=name, tokenizer=tok, vocab_size=len(tok), pad_id=pad_id, bos_id=tok.bos_token_id,
         eos_id=tok.eos_token_id, prompt_len=prompt_len, response_len=cfg.max_new_tokens, sft=None,
         prompts=_prompt_arrays(train, prompt_len, pad_id), test_prompts=_prompt_arrays(test, prompt_len, pad_id),
         pairs=None, test_pairs=None, reward=reward, extra_keys=("answer",),
@@ -137,14 +136,52 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
                                         for v, _ in _until_eos(ids, mask, tok.eos_token_id)])
 
 
-TASKS = {"addition": addition, "jsonl": jsonl}
+def _tokenizer(name: str, tokenizer_path: str, chat_template: bool):
+    from jaxrlhf.models import load_tokenizer
+
+    if not tokenizer_path:
+        raise ValueError(f"task.name={name!r} needs a tokenizer: set model.path (or task.tokenizer_path) to a "
+                         "Hugging Face checkpoint folder, e.g. one `python -m jaxrlhf.models.gguf` writes")
+    return load_tokenizer(tokenizer_path, chat_template=bool(chat_template))
+
+
+def jsonl(cfg, *, tokenizer_path: str) -> Task:
+    """Prompts and reference answers from JSONL/Parquet files, a Hugging Face tokenizer,
+    and a host-side exact-answer reward (`data.final_answer_reward`)."""
+    tok = _tokenizer("jsonl", tokenizer_path, cfg.chat_template)
+    read = lambda path: data.read_prompts(path, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                                          max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
+                                          system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
+    return _text_task("jsonl", tok, read(cfg.path), read(cfg.test_path or cfg.path), cfg,
+                      source=f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}")
+
+
+def word_problems(cfg, *, tokenizer_path: str) -> Task:
+    """One-digit arithmetic questions in words (`data.make_word_problems`, generated: no
+    files) for a Hugging Face chat model; reward = exact answer + `format_weight` × the
+    "#### <number>" answer format (`data.answer_format_reward`)."""
+    tok = _tokenizer("word_problems", tokenizer_path, cfg.chat_template)
+
+    def make(num, split, seed):
+        records = data.make_word_problems(num, split=split, seed=seed)
+        return data.prompts_from_records(
+            ((f"word_problems[{split}]:{i + 1}", r) for i, r in enumerate(records)), tok, prompt_key="question",
+            answer_key="answer", max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
+            system_prompt=cfg.system_prompt or None, source=f"word_problems[{split}]")
+
+    return _text_task("word_problems", tok, make(cfg.num_train, "train", cfg.seed),
+                      make(cfg.num_test, "test", cfg.seed + 1), cfg, source="task.name='word_problems'",
+                      format_weight=cfg.format_weight)
+
+
+TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems}
 
 
 def build_task(cfg, *, model_path: str = "") -> Task:
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r}; expected one of {sorted(TASKS)}")
-    if cfg.name == "jsonl":
-        return jsonl(cfg, tokenizer_path=cfg.tokenizer_path or model_path)
+    if cfg.name in ("jsonl", "word_problems"):
+        return TASKS[cfg.name](cfg, tokenizer_path=cfg.tokenizer_path or model_path)
     return TASKS[cfg.name](cfg)
 
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxrlhf.data.text_rewards import exact_match_text, extract_final_answer, final_answer_reward, normalize_number
+from jaxrlhf.data.text_rewards import (answer_format_reward, exact_match_text, extract_final_answer,
+                                       final_answer_reward, normalize_number)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -39,3 +40,16 @@ def test_final_answer_reward_against_gsm8k_references():
 def test_exact_match_text():
     np.testing.assert_array_equal(
         exact_match_text([" 95", "95", "9"], ["95", "95", "95"], finished=[True, False, True]), [1, 0, 0])
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the total is 12.\n#### 12", 1.0),
+    ("#### -3", 1.0),
+    ("#### 4 or 5", 0.0),            # two numbers: not one final answer
+    ("#### twelve", 0.0),
+    ("#### 12\nthen #### x", 0.0),   # the last #### counts
+    ("the answer is 12", 0.0),
+    ("", 0.0),
+])
+def test_answer_format_reward(text, expected):
+    assert answer_format_reward([text]).tolist() == [expected]

@@ -42,8 +42,8 @@ def test_tiny_variant_runs_end_to_end(path, tmp_path):
         assert {"accuracy", "reward"} <= set(summary["stages"][f"after {config.algorithm.upper()}"])
 
 
-def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_path):
-    """The realistic config end to end: local HF folder (weights + tokenizer) and JSONL data."""
+def _tiny_checkpoint(path):
+    """A tiny random qwen2 checkpoint with the character tokenizer, as a Hugging Face folder."""
     import transformers
 
     from jaxrlhf import data
@@ -54,14 +54,20 @@ def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_pat
                       num_kv_heads=1, head_dim=16, model_type="qwen2", qkv_bias=True, pad_token_id=0,
                       bos_token_id=1, eos_token_id=2)
     model, params = random_init(cfg)
-    save_pretrained(model, params, tmp_path / "ckpt", tokenizer=tok)
-    assert isinstance(transformers.AutoTokenizer.from_pretrained(tmp_path / "ckpt"), transformers.PreTrainedTokenizerBase)
+    save_pretrained(model, params, path, tokenizer=tok)
+    assert isinstance(transformers.AutoTokenizer.from_pretrained(path), transformers.PreTrainedTokenizerBase)
+    return path
+
+
+def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_path):
+    """The realistic config end to end: local HF folder (weights + tokenizer) and JSONL data."""
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
     rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 2)]]
     rows.append({"question": "", "answer": "1"})  # skipped (empty prompt) and counted
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     config = _load(next(p for p in CONFIGS if p.stem == "hf_gsm8k_grpo")).get_config("tiny")
     with config.unlocked():
-        config.model.path = str(tmp_path / "ckpt")
+        config.model.path = str(ckpt)
         config.task.path = str(tmp_path / "train.jsonl")
         # The model options reach the model: chunked attention, a bf16 KV cache.
         config.model.attention = "chunked"
@@ -69,6 +75,20 @@ def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_pat
     summary = train_and_evaluate(config, tmp_path / "run")
     assert "after GRPO" in summary["stages"]
     assert (tmp_path / "run" / "export" / "model.safetensors").exists()
+
+
+def test_word_problems_config_runs_on_a_tiny_random_checkpoint(tmp_path):
+    """The real-model config's task (generated questions, exact answer + format reward) end
+    to end on a tiny checkpoint; without a model path it says what to set."""
+    config = _load(next(p for p in CONFIGS if p.stem == "smollm2_word_problems")).get_config("tiny")
+    with pytest.raises(ValueError, match="needs a tokenizer: set model.path"):
+        train_and_evaluate(config, tmp_path / "none")
+    with config.unlocked():
+        config.model.path = str(_tiny_checkpoint(tmp_path / "ckpt"))
+    summary = train_and_evaluate(config, tmp_path / "run")
+    assert {"accuracy", "reward"} <= set(summary["stages"]["after GRPO"])
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"grpo/reward/exact_answer", "grpo/reward/format"} <= set(logged)
 
 
 def test_model_options_reach_the_model_config():
