@@ -121,11 +121,23 @@ def train(**kw) -> mlc.ConfigDict:
     also samples n responses per prompt at `eval_temperature` and reports `mean@n` and, for
     each k of `eval_k` ("1,4,8": each k in [1, n]), `pass@k` and `maj@k` (`runs.evaluation`).
     `eval_batch_size` counts sequences: a sampled batch holds eval_batch_size // n prompts.
+
+    Stopping on a held-out metric (`runs.stopping`; needs `eval_every` > 0):
+    stop_metric: an evaluation metric to watch, without the `eval/` prefix (e.g. "accuracy",
+      "pass@4"; "" = off). stop_mode: "max" (higher is better) or "min". An evaluation is a
+      new best when it beats the best so far by more than stop_min_delta. stop_patience: end
+      the phase (as a finished phase) after that many evaluations in a row without a new
+      best (0 = never; the best is still recorded). keep_best: end the phase with the
+      parameters of its best evaluation, not the last ones (the next phase, the summary's
+      "after" row and the export use them; costs one device copy of the policy's parameters,
+      and each checkpoint holds them too). stop_phases: the phases the rule applies to,
+      comma-separated (e.g. "sft,ppo"; "" = the run's own phase, `config.algorithm`).
     """
     mon = kw.pop("monitor", {})
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
         show_samples=5, export=True, eval_batch_size=512, eval_samples=0, eval_k="1,4,8", eval_temperature=1.0,
+        stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
         monitor=monitor(**mon)), **kw))
 
 

@@ -14,6 +14,12 @@ the table (start, after SFT, after the last phase) and every periodic evaluation
 reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@k`,
 `maj@k`, see `runs.evaluation`) as extra columns and `eval/pass@4`-style metrics.
 
+With `train.stop_metric` set, a phase (the run's own, or those of `train.stop_phases`)
+stops when that held-out metric has not improved for `train.stop_patience` evaluations,
+and with `train.keep_best` ends with the parameters of its best evaluation, so the next
+phase, the "after" row and the export use those (`runs.stopping`); `summary.json`'s
+`early_stopping` records each such phase's best step and value and where it stopped.
+
 Every phase runs on the device mesh `config.mesh` (default "data=-1") over all devices of
 all processes, with the sharding rules `config.rules` (default "fsdp_tp"), see
 `runs.sharding`. A multi-process job (`parallel.distributed.initialize()` first) runs the
@@ -34,7 +40,7 @@ from pathlib import Path
 import jax
 
 from jaxrlhf.models import save_pretrained
-from jaxrlhf.runs import phases, setup
+from jaxrlhf.runs import phases, setup, stopping
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
 from jaxrlhf.runs.sharding import Placement
@@ -77,6 +83,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     sampled = SampledEval.from_config(config.train)  # checked before any work
     if config.algorithm == "ppo":
         phases.ppo_reward(config.ppo)
+    stops = stopping.from_config(config, sampled)  # {phase: EarlyStop}, checked before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
     main = jax.process_index() == 0
@@ -100,12 +107,12 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
         if config.algorithm == "sft" or config.sft.steps > 0:
             rows.append(("start", accuracy(params)))
             params, _ = phases.sft_phase(config.sft, config.train, params=params, rng=jax.random.fold_in(rng, 1),
-                                         **common)
+                                         early_stop=stops.get("sft"), **common)
         rl_start = "after SFT" if config.sft.steps > 0 else "start"
         if config.algorithm == "grpo":
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.grpo_phase(config.grpo, config.train, params=params, rng=jax.random.fold_in(rng, 2),
-                                          **common)
+                                          early_stop=stops.get("grpo"), **common)
         learned_reward = config.algorithm == "reward_model" or (
             config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
         rm = None
@@ -113,19 +120,20 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
             rm_model, rm_params, rm_eval = phases.reward_model_phase(
                 config.reward_model, config.train, policy_model=model, policy_params=params, task=task,
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
-                placement=placement)
+                placement=placement, early_stop=stops.get("reward_model"))
             extras["reward_model_heldout"] = rm_eval
             log.info("reward model held-out pair accuracy %.3f", rm_eval["accuracy"])
             rm = (rm_model, rm_params)
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.ppo_phase(config.ppo, config.train, params=params,
-                                         reward_model_and_params=rm,
+                                         reward_model_and_params=rm, early_stop=stops.get("ppo"),
                                          rng=jax.random.fold_in(rng, 4), **common)
         if config.algorithm == "dpo":
             rows.append((rl_start, accuracy(params)))
             params, extras["dpo_heldout_pairs"] = phases.dpo_phase(
-                config.dpo, config.train, params=params, rng=jax.random.fold_in(rng, 5), **common)
+                config.dpo, config.train, params=params, rng=jax.random.fold_in(rng, 5), early_stop=stops.get("dpo"),
+                **common)
         if config.algorithm != "reward_model":
             final, samples = accuracy(params, return_samples=config.train.show_samples)
             rows.append((f"after {config.algorithm.upper()}", final))
@@ -144,6 +152,10 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     if main:
         for name, m in extras.items():
             print(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
+        for name, rule in stops.items():
+            print(rule.describe(name), flush=True)
+    if stops:
+        extras["early_stopping"] = {name: rule.report() for name, rule in stops.items()}
     summary = {"stages": {name: m for name, m in rows}, "samples": samples, "table": text,
                "seconds": time.perf_counter() - start, **extras}
     if main:

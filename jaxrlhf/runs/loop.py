@@ -4,8 +4,9 @@
 owns what a user expects around it: resume from the latest checkpoint of the phase (with
 the data position), RNG folded with the step, a tqdm bar with live metrics, metrics to
 `metrics.jsonl` and TensorBoard, the health monitor (a NaN stops the run before anything
-is saved), periodic evaluation, and SIGTERM (preemption) saving a checkpoint before a
-clean exit.
+is saved), periodic evaluation, early stopping on a held-out metric (`runs.stopping`,
+optionally ending with the best evaluation's parameters), and SIGTERM (preemption) saving a
+checkpoint before a clean exit.
 
 In a multi-process job every process runs the loop in lockstep (steps, evaluations and
 checkpoint saves are collective): metrics are read replicated, only process 0 writes them,
@@ -30,6 +31,7 @@ from jaxrlhf.monitor import HealthMonitor, NonFiniteError
 from jaxrlhf.parallel import distributed
 from jaxrlhf.runs.checkpointing import Checkpointer
 from jaxrlhf.runs.metrics import MetricsWriter, to_python
+from jaxrlhf.runs.stopping import EarlyStop, copy_params
 
 log = logging.getLogger("jaxrlhf")
 
@@ -128,25 +130,59 @@ def run_phase(
     eval_fn: Callable[[Any], dict] | None = None,
     extra_meta: Callable[[Any], dict] | None = None,
     should_stop: Callable[[int], bool] | None = None,
+    early_stop: EarlyStop | None = None,
+    params_of: Callable[[Any], Any] | None = None,
+    with_params: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[Any, dict]:
     """Run (or resume) a phase; returns `(state, last_metrics)`.
 
     Checkpoints go to `workdir/<phase.name>/`; a phase whose final checkpoint exists is
     restored and not re-run. `should_stop(step)` lets a caller interrupt the run like a
     SIGTERM (tests use it to check that resuming equals an uninterrupted run).
+
+    `early_stop` (a `stopping.EarlyStop`) reads each evaluation: the phase ends early, as a
+    finished phase (final checkpoint saved, its meta's `stopped_early_at` keeps a rerun from
+    re-running it), after `patience` evaluations without a new best. With `keep_best` the
+    phase ends with the parameters of the best evaluation: `params_of(state)` (the trained
+    policy's parameters, not the optimizer state) is copied on the device at each new best
+    — one more copy of those parameters in device memory, with their shardings — saved as
+    the checkpoints' `best` item so a resumed run keeps the same ones, and put back with
+    `with_params(state, best)` before the final save. Its state is in every checkpoint's
+    meta; the final metrics row adds `early_stop/best_step` and `early_stop/best_value`.
     """
+    if early_stop is not None:
+        if eval_fn is None or not phase.eval_every:
+            raise ValueError(f"{phase.name}: stopping on eval/{early_stop.metric} (train.stop_metric) needs a "
+                             "periodic held-out evaluation (train.eval_every > 0)")
+        if early_stop.keep_best and (params_of is None or with_params is None):
+            raise ValueError(f"{phase.name}: keep_best needs params_of and with_params")
+    keep_best = early_stop is not None and early_stop.keep_best
     ckpt = Checkpointer(Path(workdir) / phase.name, max_to_keep=phase.keep_checkpoints)
-    start = 0
+    start, best, stopped_at = 0, None, None
     if ckpt.latest_step() is not None:
         start, state, meta = ckpt.restore(state)
         batches.restore(meta["data"])
-        log.info("%s: resuming at step %d of %d", phase.name, start, phase.num_steps)
+        stopped_at = meta.get("stopped_early_at")
+        if stopped_at is not None:
+            log.info("%s: stopped early at step %d of %d in an earlier run: not re-run", phase.name, stopped_at,
+                     phase.num_steps)
+        else:
+            log.info("%s: resuming at step %d of %d", phase.name, start, phase.num_steps)
+        if early_stop is not None and early_stop.load_state_dict(meta.get("early_stop")):
+            if keep_best and early_stop.best_step is not None and stopped_at is None and start < phase.num_steps:
+                if meta.get("best_saved"):
+                    best = ckpt.restore_best(params_of(state), start)
+                else:  # the checkpoint was written without keep_best: the best so far is lost
+                    log.warning("%s: checkpoint %d holds no best parameters; the best restarts from here",
+                                phase.name, start)
+                    early_stop.forget_best()
+    end = phase.num_steps if stopped_at is None else start  # an early-stopped phase is finished
     last: dict = {}
     bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name, disable=not (phase.progress and writer.enabled),
                dynamic_ncols=True, mininterval=1.0)
     try:
         with _SigtermFlag() as sigterm:
-            for step in range(start, phase.num_steps):
+            for step in range(start, end):
                 t0 = time.perf_counter()
                 batch = batches.next_batch()
                 state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
@@ -158,18 +194,44 @@ def run_phase(
                 elif not all(np.isfinite(v) for v in metrics.values() if isinstance(v, float)):
                     raise NonFiniteError(done, [k for k, v in metrics.items()
                                                 if isinstance(v, float) and not np.isfinite(v)])
+                finished = done == phase.num_steps
                 if eval_fn is not None and phase.eval_every and (done % phase.eval_every == 0):
-                    metrics.update({f"eval/{k}": v for k, v in to_python(eval_fn(state)).items()})
-                if done % phase.log_every == 0 or done == phase.num_steps:
+                    evaluation = to_python(eval_fn(state))
+                    metrics.update({f"eval/{k}": v for k, v in evaluation.items()})
+                    if early_stop is not None:
+                        # Every process sees the same (replicated) evaluation: the same decision.
+                        if early_stop.update(done, evaluation) and keep_best:
+                            best = copy_params(params_of(state))
+                        if early_stop.should_stop and not finished:
+                            finished, early_stop.stopped_at = True, done
+                            log.info("%s: stopping early at step %d of %d: eval/%s has not improved on %.4g "
+                                     "(step %d) for %d evaluations", phase.name, done, phase.num_steps,
+                                     early_stop.metric, early_stop.best_value, early_stop.best_step,
+                                     early_stop.evals_since_best)
+                if finished and early_stop is not None and early_stop.best_step is not None:
+                    metrics.update({"early_stop/best_step": early_stop.best_step,
+                                    "early_stop/best_value": early_stop.best_value})
+                    if keep_best and early_stop.best_step != done:
+                        state = with_params(state, best)
+                        log.info("%s: ending with the parameters of step %d (eval/%s %.4g), not step %d's",
+                                 phase.name, early_stop.best_step, early_stop.metric, early_stop.best_value, done)
+                if done % phase.log_every == 0 or finished:
                     writer.write(done, metrics, prefix=f"{phase.name}/")
                 bar.update(1)
                 bar.set_postfix({k: f"{metrics[k]:.4g}" for k in phase.show if k in metrics}, refresh=False)
                 last = metrics
                 stop = _any_process(sigterm.raised or (should_stop is not None and should_stop(done)))
-                if done % phase.checkpoint_every == 0 or done == phase.num_steps or stop:
+                if done % phase.checkpoint_every == 0 or finished or stop:
                     meta = {"data": batches.position, "step": done, **(extra_meta(state) if extra_meta else {})}
-                    ckpt.save(done, state, meta, force=True)
-                if stop and done < phase.num_steps:
+                    keep = None if finished else best  # a finished state already holds the best
+                    if early_stop is not None:
+                        meta.update(early_stop=early_stop.state_dict(), best_saved=keep is not None)
+                        if early_stop.stopped_at is not None:
+                            meta["stopped_early_at"] = early_stop.stopped_at
+                    ckpt.save(done, state, meta, best=keep, force=True)
+                if finished:
+                    break
+                if stop:
                     ckpt.wait()
                     raise Preempted(done)
     finally:

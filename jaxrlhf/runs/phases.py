@@ -9,6 +9,10 @@ Every phase runs on the run's `sharding.Placement` (the mesh of `config.mesh`, t
 reference, critic, reward model), its step is jitted with explicit in/out shardings and a
 donated state, and each process reads only its own rows of every global batch. The
 GRPO/PPO steps include the sampler, compiled into the same sharded program.
+
+Every phase takes `early_stop` (a `runs.stopping.EarlyStop`, from `config.train.stop_*`):
+stop on a held-out metric of its evaluation, and with `keep_best` end with the policy of
+its best evaluation.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jaxrlhf.monitor import HealthMonitor, MonitorConfig
 from jaxrlhf.runs import setup
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement, pad_rows
+from jaxrlhf.runs.stopping import EarlyStop
 from jaxrlhf.runs.tasks import Task, host_extras
 
 log = logging.getLogger("jaxrlhf")
@@ -58,6 +63,20 @@ def _phase(name, cfg, train, **kw) -> PhaseConfig:
                        progress=train.progress, **kw)
 
 
+def _stopping(early_stop: EarlyStop | None, role: str | None = None) -> dict:
+    """`run_phase`'s early-stopping arguments; the trained parameters are `state.params`,
+    or `state.<role>.params` (GRPO's policy, PPO's actor)."""
+    def params_of(state):
+        return (getattr(state, role) if role else state).params
+
+    def with_params(state, params):
+        if role is None:
+            return state.replace(params=params)
+        return state.replace(**{role: getattr(state, role).replace(params=params)})
+
+    return dict(early_stop=early_stop, params_of=params_of, with_params=with_params)
+
+
 def _with_lr(step_fn, schedule):
     def step(state, batch, rng):
         state, metrics = step_fn(state, batch, rng)
@@ -66,7 +85,7 @@ def _with_lr(step_fn, schedule):
 
 
 def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-              eval_fn=None, should_stop=None):
+              eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """Masked cross-entropy on the task's SFT arrays; returns `(params, last_metrics)`."""
     placement = placement or Placement.local()
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
@@ -80,7 +99,8 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     state, last = run_phase(
         _phase("sft", cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
         state=state, step_fn=_with_lr(step, schedule), batches=batches,
-        rng=rng, writer=writer, eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop)
+        rng=rng, writer=writer, eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop,
+        **_stopping(early_stop))
     return state.params, last
 
 
@@ -113,7 +133,7 @@ def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig
 
 
 def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-               eval_fn=None, should_stop=None):
+               eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """GRPO (or a variant) on the task's prompts and reward; returns `(params, last_metrics)`.
 
     The policy and (β > 0) the reference share the model's shardings. A JAX reward gives
@@ -147,7 +167,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy")),
         workdir=workdir, state=state, step_fn=step, batches=batches,
         rng=rng, writer=writer, monitor=monitor, eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None,
-        should_stop=should_stop)
+        should_stop=should_stop, **_stopping(early_stop, "policy"))
     return state.policy.params, last
 
 
@@ -213,7 +233,8 @@ def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_
 
 
 def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
-                       placement: Placement | None = None, should_stop=None):
+                       placement: Placement | None = None, should_stop=None,
+                       early_stop: EarlyStop | None = None):
     """Bradley–Terry on the task's preference pairs, starting from the policy's trunk.
 
     Returns `(model, params, held-out metrics)`; the held-out `accuracy` is the fraction
@@ -237,12 +258,12 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
     state, _ = run_phase(
         _phase("reward_model", cfg, train, show=("loss", "accuracy", "eval/accuracy")), workdir=workdir,
         state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
-        eval_fn=lambda s: evaluate(s.params), should_stop=should_stop)
+        eval_fn=lambda s: evaluate(s.params), should_stop=should_stop, **_stopping(early_stop))
     return model, state.params, evaluate(state.params)
 
 
 def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-              eval_fn=None, should_stop=None):
+              eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """DPO on the task's preference pairs against the starting policy as reference.
 
     Returns `(params, held-out metrics)` with the held-out `reward_accuracy` before and after.
@@ -271,7 +292,7 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     state, _ = run_phase(
         _phase("dpo", cfg, train, show=("loss", "reward_accuracy", "eval/accuracy")), workdir=workdir,
         state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
-        eval_fn=evaluate, should_stop=should_stop)
+        eval_fn=evaluate, should_stop=should_stop, **_stopping(early_stop))
     return state.params, pair_eval(state.params)
 
 
@@ -300,7 +321,7 @@ def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
 
 
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
-              placement: Placement | None = None, eval_fn=None, should_stop=None):
+              placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
     (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
     (`ppo.reward="task"`), the task's own rule-based reward (a JAX reward, given the
@@ -365,7 +386,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
                          cfg.seed, placement, "ppo.prompts_per_step"),
         rng=rng, writer=writer, monitor=health_monitor(train, "ppo", clip=pcfg.clip, kl_target=pcfg.kl_target),
         eval_fn=evaluate,
-        should_stop=should_stop)
+        should_stop=should_stop, **_stopping(early_stop, "actor"))
     params = state.actor.params
     if pcfg.shared:
         params = {k: v for k, v in params.items() if k != "value_head"}
