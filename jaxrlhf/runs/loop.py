@@ -142,7 +142,8 @@ def run_phase(
 
     `early_stop` (a `stopping.EarlyStop`) reads each evaluation: the phase ends early, as a
     finished phase (final checkpoint saved, its meta's `stopped_early_at` keeps a rerun from
-    re-running it), after `patience` evaluations without a new best. With `keep_best` the
+    re-running it), after `patience` evaluations without a new best. The starting state is
+    evaluated first (step 0) and is a candidate like the periodic ones. With `keep_best` the
     phase ends with the parameters of the best evaluation: `params_of(state)` (the trained
     policy's parameters, not the optimizer state) is copied on the device at each new best
     — one more copy of those parameters in device memory, with their shardings — saved as
@@ -177,6 +178,13 @@ def run_phase(
                                 phase.name, start)
                     early_stop.forget_best()
     end = phase.num_steps if stopped_at is None else start  # an early-stopped phase is finished
+    if early_stop is not None and start == 0 < end:
+        # The starting point is a candidate too: with keep_best a phase that only makes the
+        # held-out metric worse ends where it began.
+        evaluation = to_python(eval_fn(state))
+        if early_stop.update(0, evaluation) and keep_best:
+            best = copy_params(params_of(state))
+        log.info("%s: eval/%s at the start: %.4g", phase.name, early_stop.metric, evaluation[early_stop.metric])
     last: dict = {}
     bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name, disable=not (phase.progress and writer.enabled),
                dynamic_ncols=True, mininterval=1.0)

@@ -25,8 +25,9 @@ from jaxrlhf.runs.metrics import MetricsWriter
 REPO = Path(__file__).resolve().parents[2]
 TX = optax.adam(0.1)
 ARRAYS = {"x": np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)}
-# eval/accuracy at each evaluation step (eval_every=2): best at 4, then two worse ones.
-ACCURACY = {2: 0.2, 4: 0.6, 6: 0.5, 8: 0.4, 10: 0.9, 12: 0.9}
+# eval/accuracy of the starting state (0) and at each evaluation step (eval_every=2): best
+# at 4, then two worse ones.
+ACCURACY = {0: 0.1, 2: 0.2, 4: 0.6, 6: 0.5, 8: 0.4, 10: 0.9, 12: 0.9}
 
 
 def _step_impl(state, batch, rng):
@@ -42,7 +43,7 @@ def _step_impl(state, batch, rng):
 _step = jax.jit(_step_impl, donate_argnums=0)  # donated like the phases' steps: the best copy must survive it
 
 
-def _run(workdir, *, early_stop=None, num_steps=12, should_stop=None, calls=None, seen=None):
+def _run(workdir, *, early_stop=None, num_steps=12, should_stop=None, calls=None, seen=None, accuracy=ACCURACY):
     """`run_phase` over 12 steps, evaluating every 2; `seen[step]` = the params each evaluation saw."""
     state = common.TrainState.create({"w": jnp.zeros(3)}, TX)
     batches = ArrayBatches(ARRAYS, data.BatchIterator(40, 8, seed=3))
@@ -57,7 +58,7 @@ def _run(workdir, *, early_stop=None, num_steps=12, should_stop=None, calls=None
     def eval_fn(state):
         step = int(state.step)
         seen[step] = np.asarray(state.params["w"]).copy()
-        return {"accuracy": ACCURACY[step], "reward": 1.0}
+        return {"accuracy": accuracy[step], "reward": 1.0}
 
     try:
         state, _ = run_phase(
@@ -84,7 +85,7 @@ def test_stops_after_patience_and_keeps_the_best_params(tmp_path, keep_best):
     calls, rule = [], _rule(keep_best=keep_best)
     state, seen = _run(tmp_path, early_stop=rule, calls=calls)
     # Best at step 4 (0.6); steps 6 and 8 are worse: stop at 8, a finished phase.
-    assert len(calls) == 8 and sorted(seen) == [2, 4, 6, 8]
+    assert len(calls) == 8 and sorted(seen) == [0, 2, 4, 6, 8]
     assert rule.report() == dict(metric="accuracy", mode="max", best_step=4, best_value=0.6, stopped_early_at=8,
                                  keep_best=keep_best)
     np.testing.assert_array_equal(state.params["w"], seen[4] if keep_best else seen[8])
@@ -98,6 +99,13 @@ def test_stops_after_patience_and_keeps_the_best_params(tmp_path, keep_best):
     ckpt.close()
     assert meta["stopped_early_at"] == 8 and meta["early_stop"]["best_step"] == 4
     np.testing.assert_array_equal(saved.params["w"], state.params["w"])  # the final checkpoint holds the kept params
+
+
+def test_a_phase_that_only_hurts_ends_where_it_began(tmp_path):
+    rule = _rule(patience=2)
+    state, seen = _run(tmp_path, early_stop=rule, accuracy={0: 0.7, 2: 0.6, 4: 0.5})
+    assert sorted(seen) == [0, 2, 4] and rule.report()["best_step"] == 0 and rule.stopped_at == 4
+    np.testing.assert_array_equal(state.params["w"], np.zeros(3))  # the starting parameters
 
 
 def test_min_delta_and_min_mode():
