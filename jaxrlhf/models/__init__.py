@@ -3,12 +3,12 @@
 from jaxrlhf.models.checkpoint import (
     CheckpointError,
     encode_prompt,
-    hf_tensor_map,
     load_pretrained,
     load_tokenizer,
     random_init,
     save_pretrained,
 )
+from jaxrlhf.models.hf_layout import hf_tensor_map
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.transformer import (
     HEADS,

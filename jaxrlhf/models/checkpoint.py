@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxrlhf.models.config import RUNTIME_FIELDS, ModelConfig, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.hf_layout import (  # noqa: F401  (_trunk_tensors, _head_tensors: used by tests)
-    _get, _head_tensors, _LayerOf, _param_of, _params_of, _set, _Tensor, _trunk_tensors, hf_tensor_map)
+    _get, _head_tensors, _LayerOf, _param_of, _params_of, _set, _Tensor, _trunk_tensors)
 from jaxrlhf.models.transformer import HEADS, Transformer, stack_layers
 
 logger = logging.getLogger(__name__)
@@ -287,6 +287,20 @@ def _write_shard(shard, fname: str) -> None:
               metadata={"format": "pt"})
 
 
+def move_into_place(tmp: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """Rename the finished folder `tmp` to `out_dir` (a sibling); an existing `out_dir` is
+    moved aside first and deleted only after the rename, so a reader never sees half of it."""
+    out_dir = os.fspath(out_dir)
+    old = None
+    if os.path.exists(out_dir):
+        old = os.path.join(os.path.dirname(os.path.abspath(out_dir)),
+                           f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_pretrained(
     model: Transformer,
     params: Mapping,
@@ -359,13 +373,7 @@ def save_pretrained(
                 json.dump(dict(generation_config), f, indent=2)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        old = None
-        if os.path.exists(out_dir):
-            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -38,13 +38,13 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from jaxrlhf.models.config import ModelConfig, RopeScaling, UnsupportedConfigError, to_hf_dict
+from jaxrlhf.models.checkpoint import move_into_place
 from jaxrlhf.models.hf_layout import hf_tensor_map
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -372,13 +372,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
         for entry in [tmp] + [os.path.join(tmp, f) for f in os.listdir(tmp)]:  # mkdtemp made them private
             os.chmod(entry, (0o777 if os.path.isdir(entry) else 0o666) & ~umask)
         _check_out_dir(out, overwrite, path)  # again: it may have been filled meanwhile
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
