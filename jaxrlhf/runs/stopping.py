@@ -166,7 +166,8 @@ def from_config(config, sampled=None) -> dict[str, EarlyStop]:
         return {}
     if t.eval_every <= 0:
         raise ValueError(f"train.stop_metric={metric!r} needs a periodic held-out evaluation: set "
-                         f"train.eval_every > 0 (it is {t.eval_every})")
+                         f"train.eval_every > 0 (it is {t.eval_every}), or turn the rule off with "
+                         "train.stop_metric='' train.stop_patience=0 train.keep_best=False")
     if metric.startswith("eval/"):
         raise ValueError(f"train.stop_metric={metric!r}: name the metric without the 'eval/' prefix, "
                          f"e.g. {metric[5:]!r}")
