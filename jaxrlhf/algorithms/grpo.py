@@ -488,8 +488,13 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     sampling and `prompts_per_step` a pool of B ≥ prompts_per_step prompts), `extras` (a
     dict of `[B, ...]` arrays, repeated per sample for the rewards; host rewards may also
     get non-array values such as lists of B strings) and a PRNG key (folded with the
-    step, so a constant key is fine). A pure-JAX reward gives one jitted program
-    (`iteration.is_single_program`); a host reward two, with `time/host_reward_s` reported.
+    step, so a constant key is fine).
+
+    A pure-JAX reward gives one jitted program, a host reward two (rollout with the reward's
+    JAX parts, then the update), with `time/host_reward_s`: the host reward alone, timed
+    after the rollout's outputs are ready. `iteration.compiled` is always the tuple of the
+    jitted programs in the order they run — `(iteration,)` or `(rollout, learn)` — e.g.
+    for `iteration.compiled[0].lower(...)`; `iteration.is_single_program` says which.
     """
     reward = rewards_lib.as_reward(reward)
     roll = functools.partial(rollout, model=model, cfg=cfg, reward=reward)
@@ -507,7 +512,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
             return fused(state, prompt_ids, prompt_mask, arrays, _key(rng))
 
         iteration.is_single_program = True
-        iteration.compiled = fused
+        iteration.compiled = (fused,)
         return iteration
 
     roll_jit = jax.jit(roll)
@@ -518,8 +523,9 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
         arrays, _ = scoring.split_extras(extras)
         rng = _key(rng)
         out, scores = roll_jit(state, prompt_ids, prompt_mask, arrays, rng)
+        out = jax.device_get(out)  # waits for the rollout: not part of the reward's time
         t0 = time.perf_counter()
-        host = scoring.host_scores(reward, jax.device_get(out), extras, g)
+        host = scoring.host_scores(reward, out, extras, g)
         dt = time.perf_counter() - t0
         state, metrics = learn_jit(state, out, {**scores, **host}, rng)
         metrics = dict(metrics)

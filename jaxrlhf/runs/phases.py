@@ -191,8 +191,10 @@ def _host_reward_step(model, tx, gcfg, reward, schedule, placement: Placement, s
         if "roll" not in compiled:
             compiled["roll"] = jax.jit(roll, out_shardings=row_shardings(jax.eval_shape(roll, *args)))
         out, scores = compiled["roll"](*args)
+        # The responses to this process's prompts, as NumPy: waits for the rollout, whose
+        # time is not the reward's.
+        mine = jax.tree.map(placement.local_rows, out)
         t0 = time.perf_counter()
-        mine = jax.tree.map(placement.local_rows, out)  # the responses to this process's prompts
         host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, g)
         host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
         dt = time.perf_counter() - t0

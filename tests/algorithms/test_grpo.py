@@ -3,6 +3,7 @@ accumulation, errors, bf16, and a toy task it must learn within seconds."""
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -349,3 +350,40 @@ def test_dynamic_sampling_with_a_host_reward_keeps_the_batch_full():
         np.testing.assert_allclose(m["reward/mean"], scores.mean(), atol=1e-6)
         assert m["time/host_reward_s"] >= 0 and bool(m["finite"])
     assert int(state.step) == 3 and int(state.policy.step) == 3
+
+
+def _slow_jax_part(response_ids, response_mask, extras):
+    """A JAX reward component that takes ~1–3 s on CPU (a chain of 400 512² matmuls), scoring 0."""
+    w = jnp.full((512, 512), 1e-3, jnp.float32)
+    x = jax.lax.fori_loop(0, 400, lambda i, x: jnp.tanh(x @ w), jnp.ones((512, 512), jnp.float32))
+    return jnp.zeros(response_ids.shape[0], jnp.float32) + 1e-30 * jnp.sum(x)
+
+
+def test_host_reward_timer_measures_the_reward_alone():
+    """`time/host_reward_s` is the host reward's own time, not the rollout it waits for."""
+    sleep = 0.05
+
+    def sleepy(prompts, responses, extras):
+        time.sleep(sleep)
+        return [0.0] * len(responses)
+
+    reward = rewards.combine([(1.0, rewards.host_reward(sleepy, _WordTokenizer(), name="sleepy")),
+                              (1.0, rewards.jax_reward(_slow_jax_part, name="slow"))])
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=2))
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), cfg, reward)
+    assert not it.is_single_program and len(it.compiled) == 2  # (rollout, learn)
+    prompts = jnp.asarray(np.random.default_rng(2).integers(4, CFG.vocab_size, (2, P)), jnp.int32)
+    state = grpo.init_state(PARAMS, optax.sgd(0.0))
+    args = (prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(0))
+    state, _ = it(state, *args)  # compiles
+    t0 = time.perf_counter()
+    jax.block_until_ready(it.compiled[0](state, *args[:2], {}, args[3]))
+    rollout_s = time.perf_counter() - t0
+    assert rollout_s > 4 * sleep, f"the rollout ({rollout_s:.2f} s) must dwarf the reward for this test to mean anything"
+    _, m = it(state, *args)
+    assert sleep <= m["time/host_reward_s"] < sleep + rollout_s / 2, (m["time/host_reward_s"], rollout_s)
+
+
+def test_compiled_is_a_tuple_of_programs():
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), rewards.jax_reward(target_fraction, name="target"))
+    assert it.is_single_program and isinstance(it.compiled, tuple) and len(it.compiled) == 1
