@@ -30,6 +30,7 @@ class SamplingConfig:
     eos_id: int | None = None
     pad_id: int = 0
     num_samples: int = 1  # G responses per prompt (GRPO, RLOO)
+    min_new_tokens: int = 0  # EOS cannot be drawn before this many response tokens
 
 
 class Experience(NamedTuple):
@@ -62,7 +63,8 @@ def sample_responses(model: Transformer, params, prompt_ids: jax.Array, prompt_m
     `N = B·G` rows with each prompt's samples contiguous, drawn as `sampling` says."""
     return sample(model, params, prompt_ids, prompt_mask, rng, max_new_tokens=sampling.max_new_tokens,
                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples)
+                  eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples,
+                  min_new_tokens=sampling.min_new_tokens)
 
 
 def score_responses(model: Transformer, params, sequences, attention_mask, prompt_len: int, *, temperature: float,

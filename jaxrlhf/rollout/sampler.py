@@ -53,9 +53,12 @@ class SampleOutput(NamedTuple):
     lengths: jax.Array
 
 
-def _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len):
+def _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
+           min_new_tokens=0):
     if max_new_tokens is None or int(max_new_tokens) <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not 0 <= int(min_new_tokens) <= int(max_new_tokens):
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
     if prompt_ids.ndim != 2:
         raise ValueError(f"prompt_ids must have shape [B, P], got {prompt_ids.shape}")
     if prompt_mask.shape != prompt_ids.shape:
@@ -111,16 +114,21 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)  # a row with a NaN matches nothing: keep the id valid
 
 
-def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p):
+def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p, banned_id=None, ban=False):
     """(token [B], log-prob of it under softmax(logits/τ) [B]).
 
     Sampling is the Gumbel-max trick, `argmax(logits + g)`, exactly what
     `jax.random.categorical(key, logits)` computes when `g = jax.random.gumbel(key, ...)`.
+    Where `ban` (a bool, may be traced) holds, token `banned_id` cannot be drawn; like
+    top-k/top-p truncation this changes which tokens are drawn, not the log-probs.
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
     if temperature > 0:
         logits_BxV = logits_BxV / temperature
     logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+    if banned_id is not None:
+        banned_V = ban & (jnp.arange(logits_BxV.shape[-1]) == banned_id)
+        logits_BxV = jnp.where(banned_V, jnp.finfo(jnp.float32).min, logits_BxV)
     if temperature == 0:
         token = _argmax(logits_BxV)
     else:
@@ -166,6 +174,7 @@ def sample(
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
+    min_new_tokens: int = 0,
     first_row: int | jax.Array = 0,
 ) -> SampleOutput:
     """Sample responses; traceable (call it inside your own jit) — see `generate`.
@@ -174,7 +183,8 @@ def sample(
     split by rows (may be traced). Row r draws its noise from `fold_in(rng, r)`, so blocks
     given their offsets sample exactly what the whole batch samples.
     """
-    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
+    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
+           min_new_tokens)
     b, p = prompt_ids.shape
     t_max = int(max_new_tokens)
     n = b * num_samples
@@ -212,7 +222,10 @@ def sample(
     def emit(state, logits, t):
         gumbel, state = noise_for(state, t)
         tokens, logps, done = state["tokens"], state["logps"], state["done"]
-        token, logp = _pick(logits, gumbel, temperature, top_k, top_p)
+        # Response token t is the (t+1)-th: EOS cannot be drawn before min_new_tokens of them.
+        ban_eos = min_new_tokens > 0 and eos_id is not None
+        token, logp = _pick(logits, gumbel, temperature, top_k, top_p, eos_id if ban_eos else None,
+                            ban_eos and (t < min_new_tokens))
         token = jnp.where(done, pad_id, token)
         logp = jnp.where(done, 0.0, logp)
         new_done = done if eos_id is None else done | (token == eos_id)
@@ -323,6 +336,7 @@ def generate(
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
+    min_new_tokens: int = 0,
     cpu_threads: int | None = None,
 ) -> SampleOutput:
     """Sample `num_samples` responses per left-padded prompt; jitted once per shape.
@@ -339,6 +353,9 @@ def generate(
       pad_id: written after EOS.
       num_samples: G responses per prompt, rows `b·G .. b·G + G − 1`.
       max_len: an explicit cap on P + T (defaults to config.max_position_embeddings).
+      min_new_tokens: EOS cannot be drawn among the first this many response tokens (TRL's
+        and transformers' `min_new_tokens`); the log-probs stay those of the model, as
+        with top-k/top-p. 0: off.
       cpu_threads: on a CPU device, run the prompts as up to this many row blocks at once,
         one thread each (None: one per usable core; 1: a single program). XLA:CPU runs a
         decode step's small ops on one core, so one program leaves the other cores idle;
@@ -348,10 +365,11 @@ def generate(
 
     Returns: `SampleOutput` with leading axis `B·num_samples`.
     """
-    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len)
+    _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
+           min_new_tokens)
     fn = _compiled(model, max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
                    top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), num_samples=int(num_samples),
-                   max_len=max_len)
+                   max_len=max_len, min_new_tokens=int(min_new_tokens))
     b = prompt_ids.shape[0]
     blocks = cpu_row_blocks(b, params, prompt_ids, prompt_mask, rng, cpu_threads=cpu_threads)
     if blocks == 1:

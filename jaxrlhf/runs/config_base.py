@@ -65,7 +65,10 @@ def optim(**kw) -> mlc.ConfigDict:
 
 
 def sampling(**kw) -> mlc.ConfigDict:
-    return mlc.ConfigDict(dict(dict(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0, num_samples=8), **kw))
+    """How the RL phases sample (`algorithms.experience.SamplingConfig`); `min_new_tokens`:
+    the task's EOS cannot be drawn before that many response tokens (0 = off)."""
+    return mlc.ConfigDict(dict(dict(max_new_tokens=8, min_new_tokens=0, temperature=1.0, top_k=0, top_p=1.0,
+                                    num_samples=8), **kw))
 
 
 def sft(**kw) -> mlc.ConfigDict:

@@ -144,6 +144,29 @@ def test_eos_ends_the_mask_and_pads_after():
     np.testing.assert_array_equal(np.asarray(out.attention_mask), np.concatenate([mask, m], 1))
 
 
+@pytest.mark.parametrize("temperature", [3.0, 0.0])
+def test_min_new_tokens_never_draws_eos_before_it(temperature):
+    """The run above with min_new_tokens=5: no EOS among the first 5 tokens, EOS still ends
+    responses after them, the log-probs stay the model's (what the trainer recomputes)."""
+    ids, mask = _prompts(np.random.default_rng(4), 8, 4)
+    k, kw = 5, dict(max_new_tokens=12, temperature=temperature, pad_id=0)
+    # EOS := the token drawn most often among the first k: without the rule, rows stop early.
+    early = np.asarray(generate(MODEL, PARAMS, ids, mask, jax.random.key(11), **kw).response_ids)[:, :k]
+    eos = int(np.bincount(early.ravel(), minlength=CFG.vocab_size)[1:].argmax() + 1)
+    kw["eos_id"] = eos
+    free = generate(MODEL, PARAMS, ids, mask, jax.random.key(11), **kw)
+    out = generate(MODEL, PARAMS, ids, mask, jax.random.key(11), min_new_tokens=k, **kw)
+    assert (np.asarray(free.lengths) < k).any(), "EOS never drawn early: the test means nothing"
+    toks, m = np.asarray(out.response_ids), np.asarray(out.response_mask)
+    assert not (toks[:, :k] == eos).any() and (np.asarray(out.lengths) >= k).all()
+    for b in range(8):  # still stops at the first EOS after the k-th token
+        hits = np.flatnonzero(toks[b] == eos)
+        assert out.lengths[b] == (hits[0] + 1 if hits.size else 12)
+    seq, attn = out.sequences, out.attention_mask
+    want = _chunked_logprobs(PARAMS, seq, attn, ids.shape[1], jnp.float32(temperature or 1.0))[0]
+    np.testing.assert_allclose(np.where(m, out.logprobs, 0), np.where(m, want, 0), atol=2e-5)
+
+
 def test_num_samples_share_the_prompt_and_are_grouped():
     ids, mask = _prompts(np.random.default_rng(5), 2, 5)
     out = generate(MODEL, PARAMS, ids, mask, jax.random.key(2), max_new_tokens=4, num_samples=3)
@@ -243,6 +266,7 @@ def test_noise_chunk_size_never_changes_a_sample(monkeypatch):
     (dict(max_new_tokens=4, top_k=-1), "top_k"),
     (dict(max_new_tokens=4, temperature=-1.0), "temperature"),
     (dict(max_new_tokens=4, num_samples=0), "num_samples"),
+    (dict(max_new_tokens=4, min_new_tokens=5), "min_new_tokens"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, msg):
     ids, mask = _prompts(np.random.default_rng(7), 2, 5)
