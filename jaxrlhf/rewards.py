@@ -8,13 +8,21 @@ Three kinds of reward, all returning one float per response (`N` responses):
 - **Host rewards** on decoded text, run in Python between two compiled programs:
   `fn(prompts: list[str], responses: list[str], extras) -> list[float]` (length N). The
   texts are decoded with the tokenizer given to `host_reward`; a response is decoded up to
-  (not including) its first EOS and `extras["finished"]` says whether it had one.
+  (not including) its first EOS and `extras["finished"]` says whether it had one — unless
+  the sampler had no EOS (see below).
 - **Reward models**: a JAX callable `(sequences [N, P + T], attention_mask [N, P + T]) ->
   [N]` on prompt ⧺ response, e.g. `reward_model.score_fn(model, params)`. Traced like a
   JAX reward (the parameters it closes over become constants of the compiled program),
   or, with `takes_params=True`, `(params, sequences, attention_mask) -> [N]` with the
   parameters given at call time (`device_scores(..., params=...)`), so that they stay an
   argument of the program (`reward_model.as_reward(model)`; PPO keeps them in its state).
+
+One rule for where a response ends, for the loss and every reward: at the sampler's EOS
+(`SamplingConfig.eos_id`). The sampler stops there and the loss trains on the tokens up to
+and including it; rewards look at what comes before it. With `eos_id=None` nothing ends a
+response: the sampler runs to `max_new_tokens`, the loss trains on every token, and an
+iteration's host rewards decode every token too (`host_scores(..., cut_at_eos=False)`;
+EOS tokens dropped as `skip_special_tokens` does), with `finished` all False.
 
 `combine([(1.0, r1), (0.5, r2)])` sums weighted components; each component's mean is
 reported as a metric `reward/<name>`. Whether the combined reward is pure JAX
@@ -115,14 +123,18 @@ def _check_scores(name: str, scores, n: int, host: bool):
     return np.asarray(scores, np.float32) if host else jnp.asarray(scores, jnp.float32)
 
 
-def _decode(tokenizer, ids_NxL, mask_NxL, eos_id):
-    """Texts of the valid tokens of each row, cut before the first EOS, and `finished` [N]."""
+def _decode(tokenizer, ids_NxL, mask_NxL, eos_id, *, cut: bool = True):
+    """Texts of the valid tokens of each row, cut before the first `eos_id`, and `finished`
+    [N]. With `cut=False` every valid token is decoded except the EOS tokens themselves
+    (removed before decoding: a tokenizer may stop at EOS on its own), `finished` False."""
     texts, finished = [], []
     for row, m in zip(np.asarray(ids_NxL), np.asarray(mask_NxL).astype(bool)):
         valid = row[m].tolist()
-        done = eos_id is not None and eos_id in valid
+        done = cut and eos_id is not None and eos_id in valid
         if done:
             valid = valid[: valid.index(eos_id)]
+        elif not cut:
+            valid = [t for t in valid if t != eos_id]
         texts.append(tokenizer.decode(valid, skip_special_tokens=True))
         finished.append(done)
     return texts, np.asarray(finished, bool)
@@ -177,8 +189,13 @@ class Reward:
             out[c.name] = _check_scores(c.name, scores, n, host=False)
         return out
 
-    def host_scores(self, inputs: RewardInput, extras: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """`{name: [N] float32}` of the host components (numpy inputs; runs Python)."""
+    def host_scores(self, inputs: RewardInput, extras: Mapping[str, Any], *,
+                    cut_at_eos: bool = True) -> dict[str, np.ndarray]:
+        """`{name: [N] float32}` of the host components (numpy inputs; runs Python).
+
+        `cut_at_eos=False`: the responses come from a sampler without EOS (`eos_id=None`),
+        which the loss trains on whole: decode them whole too (the module's rule).
+        """
         n = np.shape(inputs.response_ids)[0]
         out = {}
         for c in self.components:
@@ -187,7 +204,8 @@ class Reward:
             eos = c.eos_id
             if eos is None:
                 eos = getattr(c.tokenizer, "eos_id", getattr(c.tokenizer, "eos_token_id", None))
-            responses, finished = _decode(c.tokenizer, inputs.response_ids, inputs.response_mask, eos)
+            responses, finished = _decode(c.tokenizer, inputs.response_ids, inputs.response_mask, eos,
+                                          cut=cut_at_eos)
             prompts, _ = _decode(c.tokenizer, inputs.prompt_ids, inputs.prompt_mask, None)
             ex = {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in extras.items()}
             ex.setdefault("finished", finished)

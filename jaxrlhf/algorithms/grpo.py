@@ -525,7 +525,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
         out, scores = roll_jit(state, prompt_ids, prompt_mask, arrays, rng)
         out = jax.device_get(out)  # waits for the rollout: not part of the reward's time
         t0 = time.perf_counter()
-        host = scoring.host_scores(reward, out, extras, g)
+        host = scoring.host_scores(reward, out, extras, g, eos_id=cfg.sampling.eos_id)
         dt = time.perf_counter() - t0
         state, metrics = learn_jit(state, out, {**scores, **host}, rng)
         metrics = dict(metrics)

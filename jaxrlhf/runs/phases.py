@@ -195,7 +195,7 @@ def _host_reward_step(model, tx, gcfg, reward, schedule, placement: Placement, s
         # time is not the reward's.
         mine = jax.tree.map(placement.local_rows, out)
         t0 = time.perf_counter()
-        host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, g)
+        host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, g, eos_id=gcfg.sampling.eos_id)
         host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
         dt = time.perf_counter() - t0
         state, metrics = learn(state, out, {**scores, **placement.global_batch(host, rows * g)}, rng)

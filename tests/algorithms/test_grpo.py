@@ -387,3 +387,30 @@ def test_host_reward_timer_measures_the_reward_alone():
 def test_compiled_is_a_tuple_of_programs():
     it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), rewards.jax_reward(target_fraction, name="target"))
     assert it.is_single_program and isinstance(it.compiled, tuple) and len(it.compiled) == 1
+
+
+def test_without_a_sampler_eos_the_host_reward_sees_what_the_loss_trains_on():
+    """`eos_id=None`: generation never stops and the loss trains on every token; the text
+    reward must not cut at its tokenizer's EOS either (`jaxrlhf.rewards`' rule)."""
+    seen = []
+
+    class EosTokenizer(_WordTokenizer):
+        eos_id = TARGET  # a token the policy draws mid-response
+
+    def record(prompts, responses, extras):
+        seen.append((list(responses), np.asarray(extras["finished"])))
+        return [0.0] * len(responses)
+
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=8, num_samples=4, eos_id=None))
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), cfg, rewards.host_reward(record, EosTokenizer(), name="rec"))
+    prompts = jnp.asarray(np.random.default_rng(3).integers(4, CFG.vocab_size, (4, P)), jnp.int32)
+    state = grpo.init_state(PARAMS, optax.sgd(0.0))
+    args = (state, prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(4))
+    it(*args)
+    out, _ = it.compiled[0](*args)
+    ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
+    assert mask.all()  # nothing ended a response: the loss trains on all 8 tokens
+    assert (ids[:, :-1] == TARGET).any(), "no EOS mid-response: the test means nothing"
+    responses, finished = seen[-1]
+    assert responses == [" ".join(f"t{i}" for i in row if i >= 4 and i != TARGET) for row in ids]
+    assert not finished.any()
