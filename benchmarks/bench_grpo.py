@@ -78,7 +78,8 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
         advantage="grpo", adv_eps=1e-4, beta=0.0, clip_low=0.2, agg="token-mean", num_iterations=1)
 
     reward = _common.token_fraction_reward(TARGET, name="frac7")
-    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True)
+    # prompt_buckets=None: the prompts keep the length the peers run them at.
+    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True, prompt_buckets=None)
     rollout = jax.jit(functools.partial(grpo.rollout, model=model, cfg=cfg, reward=reward))
     box = {"state": grpo.init_state(params, tx)}
     rng = jax.random.key(0)

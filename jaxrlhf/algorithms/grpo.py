@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax
 import jax
@@ -45,6 +45,7 @@ from jaxrlhf.algorithms import common, scoring
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.rollout import buckets
 from jaxrlhf.rollout.sampler import SampleOutput
 
 PyTree = Any
@@ -473,7 +474,8 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
 
 
 def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GRPOConfig, reward, *,
-                   schedule: Callable | None = None, donate: bool = False):
+                   schedule: Callable | None = None, donate: bool = False,
+                   prompt_buckets: Sequence[int] | None = buckets.DEFAULT_BUCKETS):
     """`iteration(state, prompt_ids, prompt_mask, extras, rng) -> (state, metrics)`.
 
     Args:
@@ -483,6 +485,11 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
       reward: a `rewards.Reward` (or a bare JAX reward callable).
       schedule: the learning-rate schedule, only to report `lr`.
       donate: donate the state's buffers to the compiled program(s).
+      prompt_buckets: prompts are left-padded to the smallest of these lengths that holds
+        them (`rollout.buckets`; powers of two from 16 by default; None: never), so that
+        prompts of many lengths compile a handful of programs; `compiles` in the metrics
+        counts the XLA compilations of each call (not reported when the iteration is
+        traced inside the caller's own jit).
 
     The iteration takes `prompt_ids`, `prompt_mask` `[B, P]` (left-padded; with dynamic
     sampling and `prompts_per_step` a pool of B ≥ prompts_per_step prompts), `extras` (a
@@ -500,6 +507,8 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     roll = functools.partial(rollout, model=model, cfg=cfg, reward=reward)
     learn_ = functools.partial(learn, model=model, tx=tx, cfg=cfg, reward=reward, schedule=schedule)
     donate_args = (0,) if donate else ()
+    pad = functools.partial(buckets.pad_to_bucket, buckets=prompt_buckets, pad_id=cfg.sampling.pad_id,
+                            limit=model.config.max_position_embeddings - cfg.sampling.max_new_tokens)
 
     if reward.is_jax:
         @functools.partial(jax.jit, donate_argnums=donate_args)
@@ -509,7 +518,11 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
 
         def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
             arrays, _ = scoring.split_extras(extras)
-            return fused(state, prompt_ids, prompt_mask, arrays, _key(rng))
+            if isinstance(prompt_ids, jax.core.Tracer):  # inside the caller's jit: no compiles to count
+                return fused(state, *pad(prompt_ids, prompt_mask), arrays, _key(rng))
+            with buckets.CompileCounter() as compiles:
+                state, metrics = fused(state, *pad(prompt_ids, prompt_mask), arrays, _key(rng))
+            return state, {**metrics, "compiles": compiles.count}
 
         iteration.is_single_program = True
         iteration.compiled = (fused,)
@@ -522,15 +535,14 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
         arrays, _ = scoring.split_extras(extras)
         rng = _key(rng)
-        out, scores = roll_jit(state, prompt_ids, prompt_mask, arrays, rng)
-        out = jax.device_get(out)  # waits for the rollout: not part of the reward's time
-        t0 = time.perf_counter()
-        host = scoring.host_scores(reward, out, extras, g, eos_id=cfg.sampling.eos_id)
-        dt = time.perf_counter() - t0
-        state, metrics = learn_jit(state, out, {**scores, **host}, rng)
-        metrics = dict(metrics)
-        metrics["time/host_reward_s"] = dt
-        return state, metrics
+        with buckets.CompileCounter() as compiles:
+            out, scores = roll_jit(state, *pad(prompt_ids, prompt_mask), arrays, rng)
+            out = jax.device_get(out)  # waits for the rollout: not part of the reward's time
+            t0 = time.perf_counter()
+            host = scoring.host_scores(reward, out, extras, g, eos_id=cfg.sampling.eos_id)
+            dt = time.perf_counter() - t0
+            state, metrics = learn_jit(state, out, {**scores, **host}, rng)
+        return state, {**metrics, "time/host_reward_s": dt, "compiles": compiles.count}
 
     iteration.is_single_program = False
     iteration.compiled = (roll_jit, learn_jit)

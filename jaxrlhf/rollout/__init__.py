@@ -4,9 +4,13 @@
 blocks, one per core); `sample` is the same function for use inside your own jitted step.
 Row r of a batch draws step t's Gumbel noise from `fold_in(fold_in(rng, r), t)`: its tokens
 never depend on the other rows, so a batch split over a mesh or into `generate`'s CPU row
-blocks samples exactly what it samples whole.
+blocks samples exactly what it samples whole. `pad_to_bucket` left-pads prompts to a few
+bucket lengths (a handful of programs for a dataset of varied lengths) and `CompileCounter`
+counts XLA compilations (`rollout.buckets`).
 """
 
+from jaxrlhf.rollout.buckets import DEFAULT_BUCKETS, CompileCounter, bucket_length, pad_to_bucket
 from jaxrlhf.rollout.sampler import SampleOutput, generate, sample, truncate_logits
 
-__all__ = ["SampleOutput", "generate", "sample", "truncate_logits"]
+__all__ = ["DEFAULT_BUCKETS", "CompileCounter", "SampleOutput", "bucket_length", "generate", "pad_to_bucket", "sample",
+           "truncate_logits"]

@@ -154,7 +154,8 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     reward = rewards_lib.as_reward(task.reward)
     if reward.is_jax:
-        iteration = grpo.make_iteration(model, tx, gcfg, reward, schedule=schedule)
+        # The task pads every prompt to one length already: no buckets.
+        iteration = grpo.make_iteration(model, tx, gcfg, reward, schedule=schedule, prompt_buckets=None)
 
         def fused(state, batch, rng):
             return iteration(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)

@@ -414,3 +414,38 @@ def test_without_a_sampler_eos_the_host_reward_sees_what_the_loss_trains_on():
     responses, finished = seen[-1]
     assert responses == [" ".join(f"t{i}" for i in row if i >= 4 and i != TARGET) for row in ids]
     assert not finished.any()
+
+
+def test_prompts_of_five_lengths_compile_once_per_bucket():
+    """Left-padded to buckets (8, 16), prompts of 3, 5, 7, 9 and 12 tokens compile two
+    programs, not five; without buckets each new length compiles (the counter counts)."""
+    reward = rewards.jax_reward(target_fraction, name="target")
+    rng = np.random.default_rng(5)
+    batches = [jnp.asarray(rng.integers(4, CFG.vocab_size, (2, p)), jnp.int32) for p in (3, 5, 7, 9, 12)]
+
+    def compiling_calls(prompt_buckets, batches):
+        it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=prompt_buckets)
+        state, calls = grpo.init_state(PARAMS, optax.sgd(0.0)), []
+        for ids in batches:
+            state, m = it(state, ids, jnp.ones_like(ids, bool), {}, jax.random.key(0))
+            calls.append(m["compiles"])
+        return calls
+
+    bucketed = compiling_calls((8, 16), batches)
+    assert [c > 0 for c in bucketed] == [True, False, False, True, False], bucketed
+    assert all(c > 0 for c in compiling_calls(None, batches[:2]))
+
+
+def test_padding_to_a_bucket_changes_no_result():
+    reward = rewards.jax_reward(target_fraction, name="target")
+    ids = jnp.asarray(np.random.default_rng(6).integers(4, CFG.vocab_size, (2, 3)), jnp.int32)
+    mask = jnp.asarray([[False, True, True], [True, True, True]])
+    results = []
+    for prompt_buckets in ((8,), None):
+        it = grpo.make_iteration(MODEL, optax.sgd(0.5), _cfg(), reward, prompt_buckets=prompt_buckets)
+        results.append(it(grpo.init_state(PARAMS, optax.sgd(0.5)), ids, mask, {}, jax.random.key(1)))
+    (padded, m_pad), (plain, m_plain) = results
+    for k in ("reward/mean", "loss", "grad_norm"):
+        np.testing.assert_allclose(m_pad[k], m_plain[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(padded.policy.params), jax.tree.leaves(plain.policy.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
