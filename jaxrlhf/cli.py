@@ -78,9 +78,11 @@ def run_main(main: Callable[[list], Any], argv: list) -> Any:
         return main(argv)
     except Exception as e:  # noqa: BLE001 - the entry point: every failure becomes one line
         log_path = runlog.write_failure(e)
+        where = f"full traceback in {log_path}" if log_path else None
         if _show_traceback():
             traceback.print_exc()
-        fail(one_line(e), where=f"full traceback in {log_path}" if log_path else None)
+            where = where or "full traceback above"
+        fail(one_line(e), where=where)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -165,8 +167,12 @@ def parse_flags(argv: list) -> list:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
+        if _show_traceback():
+            traceback.print_exc()
         fail(_unknown_override(argv) or _flag_error(e), where="")
     except (AttributeError, KeyError) as e:  # ml_collections: a --config.<key> the config lacks
+        if _show_traceback():
+            traceback.print_exc()
         fail(_unknown_override(argv) or one_line(e), where="")
 
 

@@ -1,8 +1,8 @@
 """Entry point: `python -m jaxrlhf.train --config=configs/<name>.py[:variant] --workdir=DIR`.
 
 Fields are overridden with `--config.<section>.<field>=value`; the config is locked, so a
-misspelt key is an error that names the nearest valid one. A workdir that holds a
-checkpoint resumes from it.
+misspelt key at any depth is an error that names the nearest valid ones of its section
+(`jaxrlhf.cli.parse_flags`). A workdir that holds a checkpoint resumes from it.
 
 Every phase runs on the device mesh `--config.mesh` (default "data=-1": the batch split
 over all devices) with the sharding rules `--config.rules` ("fsdp_tp", "fsdp" or

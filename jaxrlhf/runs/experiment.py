@@ -6,7 +6,9 @@
 - `dpo`:          (SFT warm start) -> DPO on preference pairs.
 - `reward_model`: Bradley–Terry reward model on preference pairs.
 
-Each phase checkpoints under `workdir/<phase>/` and a rerun with the same workdir resumes.
+Every phase's counts and batch shapes are checked against the mesh before any work
+(`runs.validation`). Each phase checkpoints under `workdir/<phase>/` and a rerun with the
+same workdir resumes.
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
 `train.export`) a Hugging Face folder `workdir/export/` with the final policy. Every row of
 the table (start, after SFT, after the last phase) and every periodic evaluation
