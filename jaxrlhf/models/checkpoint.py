@@ -173,7 +173,8 @@ def load_pretrained(
 
     Raises:
       CheckpointError: missing `config.json`, pickle-only weights, `auto_map` (remote code),
-        a missing, unexpected or wrongly shaped tensor; the message names file and tensor.
+        a missing, unexpected or wrongly shaped tensor, a truncated or corrupt `config.json`,
+        index or safetensors file (shard); the message names file and tensor.
       UnsupportedConfigError: a `model_type`, rope type or other field this decoder lacks.
     """
     path = os.fspath(path)
