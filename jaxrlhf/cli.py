@@ -34,7 +34,7 @@ _MAX_LINE = 600  # characters of an exception's message on the error line
 _CONFIG_ARG = re.compile(r"^--?config(=|$)")
 _OVERRIDE_ARG = re.compile(r"^--?(?:no)?config\.([^=\s]+)")
 # Exception types whose message says it all: no "TypeName: " before it on the error line.
-_PLAIN = (ValueError, OSError, KeyError, TypeError)
+_PLAIN = (ValueError, OSError)
 
 
 def _show_traceback() -> bool:
@@ -58,10 +58,9 @@ def fail(message: str, *, where: str | None = None) -> None:
 
 def one_line(exc: BaseException) -> str:
     """The first line of `exc`'s message (at most `_MAX_LINE` characters), led by its type
-    name unless it is one of jaxrlhf's or a ValueError/OSError/KeyError/TypeError, whose
-    messages name what failed (a library's own exception type is kept: it says where)."""
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    name unless it is one of jaxrlhf's or a builtin ValueError/OSError, whose messages name
+    what failed (any other type is kept: `KeyError: 'x'`, a library's own exception)."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     if len(first) > _MAX_LINE:
         first = first[:_MAX_LINE] + " ..."
     cls = type(exc)

@@ -102,6 +102,16 @@ def test_unknown_key_help_at_every_level():
         "--config.grpo.steps.x: config.grpo.steps is a value (100), not a section with key 'x'")
 
 
+def test_one_line_keeps_the_type_only_where_the_message_needs_it():
+    from jaxrlhf.models import CheckpointError
+
+    assert cli.one_line(ValueError("grpo.steps=-3 is impossible\n(details)")) == "grpo.steps=-3 is impossible"
+    assert cli.one_line(CheckpointError("/c/config.json is truncated")) == "/c/config.json is truncated"
+    assert cli.one_line(KeyError("answer")) == "KeyError: 'answer'"
+    assert cli.one_line(RuntimeError()) == "RuntimeError"
+    assert cli.one_line(ValueError("x" * 1000)) == "x" * 600 + " ..."
+
+
 class _Mesh:
     """A stand-in for `sharding.Placement.check_rows` on a mesh of `ways` row shards."""
 
