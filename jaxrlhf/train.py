@@ -1,8 +1,8 @@
 """Entry point: `python -m jaxrlhf.train --config=configs/<name>.py[:variant] --workdir=DIR`.
 
 Fields are overridden with `--config.<section>.<field>=value`; the config is locked, so a
-misspelt key is an error that names the nearest valid one. A workdir that holds a
-checkpoint resumes from it.
+misspelt key at any depth is an error that names the nearest valid ones of its section
+(`jaxrlhf.cli.parse_flags`). A workdir that holds a checkpoint resumes from it.
 
 Every phase runs on the device mesh `--config.mesh` (default "data=-1": the batch split
 over all devices) with the sharding rules `--config.rules` ("fsdp_tp", "fsdp" or
@@ -11,16 +11,23 @@ over all devices) with the sharding rules `--config.rules` ("fsdp_tp", "fsdp" or
 (`jaxrlhf.parallel.distributed.initialize`); the mesh then spans the devices of all of
 them, each process reads its own rows of every batch, and process 0 writes the metrics,
 summary and export. Such a job needs a `--workdir` that every process can reach.
+
+A failed run exits with status 1 and ends stderr with one line, `error: <what went wrong,
+naming the key/file/line/tensor>`, and where its full traceback is: `<workdir>/train.log`,
+the run's log (`jaxrlhf.cli`, `jaxrlhf.runlog`); `JAXRLHF_TRACEBACK=1` prints it on stderr.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import tempfile
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from jaxrlhf import cli, runlog
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file (optionally :variant).",
                                           lock_config=True)
@@ -35,6 +42,7 @@ def main(argv):
                         stream=sys.stderr, force=True)
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    runlog.capture()  # kept for <workdir>/train.log, written once the run owns its workdir
     from jaxrlhf.host_allocator import tune_host_allocator
     from jaxrlhf.parallel import distributed
     from jaxrlhf.runs import train_and_evaluate  # after flag parsing: keeps --help fast
@@ -55,4 +63,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(functools.partial(cli.run_main, main), flags_parser=cli.parse_flags)

@@ -236,7 +236,17 @@ class GRPOState:
 
 
 def init_state(params, tx: optax.GradientTransformation, ref_params=None) -> GRPOState:
-    """The state of a run; pass `ref_params` (usually the starting params) when β > 0."""
+    """The state of a run; pass `ref_params` (usually the starting params) when β > 0.
+
+    The policy holds `params` themselves; the reference gets buffers of its own: each leaf
+    of `ref_params` that is also a leaf of `params` (`ref_params=params`, or a tree that
+    shares some arrays with it) is copied, because an iteration with `donate=True` donates
+    the whole state and XLA refuses to donate one buffer twice. Leaves that are already
+    distinct arrays are kept as they are (no copy).
+    """
+    if ref_params is not None:
+        policy_leaves = {id(x) for x in jax.tree.leaves(params)}
+        ref_params = jax.tree.map(lambda x: jnp.copy(x) if id(x) in policy_leaves else x, ref_params)
     return GRPOState(policy=common.TrainState.create(params, tx), ref_params=ref_params,
                      step=jnp.zeros((), jnp.int32))
 

@@ -15,16 +15,24 @@ from jaxrlhf.data.records import DataError, PairData, PromptData, pairs_from_rec
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """Yields (location, record) per row; a line that is not valid JSON yields a DataError."""
+    """Yields (location, record) per row; a line that is not UTF-8 or not valid JSON yields
+    a DataError (the file is read as bytes and decoded line by line, so one bad byte is
+    one bad row: reported with its line, or skipped under `on_error="skip"`)."""
     path = os.fspath(path)
     if path.endswith(".parquet"):
         yield from _read_parquet(path)
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            location = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield location, DataError(location, None, "invalid_utf8",
+                                          f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+                continue
             if not line.strip():
                 continue
-            location = f"{path}:{lineno}"
             try:
                 yield location, json.loads(line)
             except json.JSONDecodeError as e:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, NamedTuple
 
 from jaxrlhf.data.char_tokenizer import CharTokenizer
 
-REASONS = ("invalid_json", "not_an_object", "missing_key", "wrong_type", "empty", "untokenizable", "too_long")
+REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_key", "wrong_type", "empty", "untokenizable", "too_long")
 _MAX_KEPT_MESSAGES = 5
 
 log = logging.getLogger(__name__)

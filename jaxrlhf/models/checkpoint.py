@@ -50,6 +50,27 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- reading
 
 
+def _read_json(file: str) -> Any:
+    """A JSON file of a checkpoint folder; one that is not valid JSON (truncated, corrupt) is
+    a `CheckpointError` naming the file, not a bare `JSONDecodeError`."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is truncated or corrupt: it is not valid JSON ({e})") from e
+
+
+def _safe_open(file: str):
+    """`safetensors.safe_open(file)` (numpy); a file safetensors cannot read (truncated,
+    corrupt header) is a `CheckpointError` naming the file (the shard, when sharded)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+
+
 def _read_config_json(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a local directory; load_pretrained reads local "
@@ -57,8 +78,7 @@ def _read_config_json(path: str) -> dict:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise CheckpointError(f"no config.json in {path}")
-    with open(cfg_file) as f:
-        raw = json.load(f)
+    raw = _read_json(cfg_file)
     if raw.get("auto_map"):
         raise CheckpointError(
             f"{cfg_file}: `auto_map` {sorted(raw['auto_map'])} asks for the repository's own "
@@ -94,15 +114,13 @@ def _weight_files(path: str) -> tuple[dict[str, str], str]:
     index = os.path.join(path, SAFE_INDEX)
     single = os.path.join(path, SAFE_WEIGHTS)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_json(index)["weight_map"]
         for fname in sorted(set(weight_map.values())):
             if not os.path.isfile(os.path.join(path, fname)):
                 raise CheckpointError(f"{index}: shard {fname} is listed but missing from {path}")
         return dict(weight_map), SAFE_INDEX
     if os.path.isfile(single):
-        from safetensors import safe_open
-        with safe_open(single, framework="numpy") as f:
+        with _safe_open(single) as f:
             return {k: SAFE_WEIGHTS for k in f.keys()}, SAFE_WEIGHTS
     pickles = sorted({os.path.basename(p) for pat in _PICKLE_PATTERNS for p in glob.glob(os.path.join(path, pat))})
     if pickles:
@@ -155,7 +173,8 @@ def load_pretrained(
 
     Raises:
       CheckpointError: missing `config.json`, pickle-only weights, `auto_map` (remote code),
-        a missing, unexpected or wrongly shaped tensor; the message names file and tensor.
+        a missing, unexpected or wrongly shaped tensor, a truncated or corrupt `config.json`,
+        index or safetensors file (shard); the message names file and tensor.
       UnsupportedConfigError: a `model_type`, rope type or other field this decoder lacks.
     """
     path = os.fspath(path)
@@ -210,9 +229,8 @@ def load_pretrained(
     place = (lambda x, t: jax.device_put(x, _get(shardings, t.path))) if shardings is not None else (
         lambda x, t: jax.device_put(x))
     params: dict = {}
-    from safetensors import safe_open
     with ExitStack() as stack:
-        handles = {fname: stack.enter_context(safe_open(os.path.join(path, fname), framework="numpy"))
+        handles = {fname: stack.enter_context(_safe_open(os.path.join(path, fname)))
                    for fname in sorted({weight_map[t.hf_name] for t in to_read})}
         for t in to_read:
             fname = weight_map[t.hf_name]
@@ -240,10 +258,8 @@ def load_pretrained(
 
 
 def _check_tied(path: str, weight_map: Mapping[str, str]) -> None:
-    from safetensors import safe_open
-
     def read(name):
-        with safe_open(os.path.join(path, weight_map[name]), framework="numpy") as f:
+        with _safe_open(os.path.join(path, weight_map[name])) as f:
             return f.get_tensor(name)
 
     emb_name = "model.embed_tokens.weight"
@@ -415,13 +431,21 @@ def load_tokenizer(path: str | os.PathLike, *, chat_template: bool | str = True)
 
     chat_template: True keeps the tokenizer's own chat template, False removes it (prompts
       are then encoded as plain text), a string installs that Jinja template.
+
+    A truncated or corrupt tokenizer JSON file is a `CheckpointError` naming the file.
     """
     import transformers
 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a local directory")
-    tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    except json.JSONDecodeError as e:  # names no file: find the broken one
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".json"):
+                _read_json(os.path.join(path, name))
+        raise CheckpointError(f"{path}: a tokenizer file is truncated or corrupt ({e})") from e
     if isinstance(chat_template, str):
         tok.chat_template = chat_template
     elif not chat_template:

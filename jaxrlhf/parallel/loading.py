@@ -28,6 +28,8 @@ def load_pretrained_sharded(
     with several processes each reads only the shards of its own devices.
 
     kwargs: `dtype`, `param_dtype`, `head`, `seed` and the model options as in `load_pretrained`.
+    Errors are `load_pretrained`'s: a truncated or corrupt shard is a `CheckpointError`
+    naming that shard's file.
     """
     rules = get_rules(rules)
     return load_pretrained(path, shardings=lambda model: param_shardings(model, mesh, rules,

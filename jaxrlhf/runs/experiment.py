@@ -6,7 +6,9 @@
 - `dpo`:          (SFT warm start) -> DPO on preference pairs.
 - `reward_model`: Bradley–Terry reward model on preference pairs.
 
-Each phase checkpoints under `workdir/<phase>/` and a rerun with the same workdir resumes.
+Every phase's counts and batch shapes are checked against the mesh before any work
+(`runs.validation`). Each phase checkpoints under `workdir/<phase>/` and a rerun with the
+same workdir resumes.
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
 `train.export`) a Hugging Face folder `workdir/export/` with the final policy. Every row of
 the table (start, after SFT, after the last phase) and every periodic evaluation
@@ -39,8 +41,9 @@ from pathlib import Path
 
 import jax
 
+from jaxrlhf import runlog
 from jaxrlhf.models import save_pretrained
-from jaxrlhf.runs import phases, setup, stopping
+from jaxrlhf.runs import phases, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
 from jaxrlhf.runs.sharding import Placement
@@ -86,10 +89,12 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     stops = stopping.from_config(config, sampled)  # {phase: EarlyStop}, checked before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
+    validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     main = jax.process_index() == 0
     log.info("%s", placement.describe())
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
     if main:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     task = build_task(config.task, model_path=config.model.path)

@@ -150,7 +150,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
                        "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
-    make = lambda p: grpo.init_state(p, tx, ref_params=jax.tree.map(jnp.copy, p) if gcfg.uses_reference else None)
+    make = lambda p: grpo.init_state(p, tx, ref_params=p if gcfg.uses_reference else None)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     reward = rewards_lib.as_reward(task.reward)
     if reward.is_jax:

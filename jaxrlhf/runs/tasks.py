@@ -136,19 +136,22 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
                                         for v, _ in _until_eos(ids, mask, tok.eos_token_id)])
 
 
-def _tokenizer(name: str, tokenizer_path: str, chat_template: bool):
+def _tokenizer(name: str, tokenizer_path: str):
+    """The task's Hugging Face tokenizer with its own chat template kept: `task.chat_template`
+    decides only whether prompts are rendered through it, and the exported model's
+    tokenizer (`workdir/export`) carries the template of the source checkpoint."""
     from jaxrlhf.models import load_tokenizer
 
     if not tokenizer_path:
         raise ValueError(f"task.name={name!r} needs a tokenizer: set model.path (or task.tokenizer_path) to a "
                          "Hugging Face checkpoint folder, e.g. one `python -m jaxrlhf.models.gguf` writes")
-    return load_tokenizer(tokenizer_path, chat_template=bool(chat_template))
+    return load_tokenizer(tokenizer_path)
 
 
 def jsonl(cfg, *, tokenizer_path: str) -> Task:
     """Prompts and reference answers from JSONL/Parquet files, a Hugging Face tokenizer,
     and a host-side exact-answer reward (`data.final_answer_reward`)."""
-    tok = _tokenizer("jsonl", tokenizer_path, cfg.chat_template)
+    tok = _tokenizer("jsonl", tokenizer_path)
     read = lambda path: data.read_prompts(path, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                                           max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
                                           system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
@@ -160,7 +163,7 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
     """One-digit arithmetic questions in words (`data.make_word_problems`, generated: no
     files) for a Hugging Face chat model; reward = exact answer + `format_weight` × the
     "#### <number>" answer format (`data.answer_format_reward`)."""
-    tok = _tokenizer("word_problems", tokenizer_path, cfg.chat_template)
+    tok = _tokenizer("word_problems", tokenizer_path)
 
     def make(num, split, seed):
         records = data.make_word_problems(num, split=split, seed=seed)

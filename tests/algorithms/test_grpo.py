@@ -232,6 +232,21 @@ def test_reward_with_wrong_shape_is_a_clear_error():
             grpo.init_state(PARAMS, optax.sgd(0.1)), prompts, jnp.ones((2, P), bool), {}, jax.random.key(0))
 
 
+def test_reference_sharing_the_policys_buffers_is_copied_for_a_donating_iteration():
+    """`init_state(params, tx, ref_params=params)` (docs/grpo.md's usage) gives the reference
+    buffers of its own: a donating iteration used to fail with "Attempt to donate the same
+    buffer twice". Distinct reference arrays are kept, not copied."""
+    params = jax.tree.map(jnp.copy, PARAMS)  # the iteration donates (deletes) them
+    state = grpo.init_state(params, optax.sgd(0.1), ref_params=params)
+    pairs = zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(state.ref_params))
+    assert all(p is not r and p.unsafe_buffer_pointer() != r.unsafe_buffer_pointer() for p, r in pairs)
+    donate = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)  # what a donating step does
+    jax.block_until_ready(donate(state))
+    ref = jax.tree.map(jnp.copy, PARAMS)
+    assert jax.tree.leaves(grpo.init_state(PARAMS, optax.sgd(0.1), ref_params=ref).ref_params)[0] is (
+        jax.tree.leaves(ref)[0])
+
+
 # --------------------------------------------------------------------------- update
 
 

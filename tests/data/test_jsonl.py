@@ -67,6 +67,20 @@ def test_skip_mode_counts_per_reason(tmp_path, caplog):
         jsonl.read_prompts(p, TOK, on_error="ignore")
 
 
+def test_non_utf8_byte_names_file_and_line_and_is_skipped(tmp_path):
+    rows = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}).encode() for i in range(70)]
+    rows[69] = b'{"prompt": "9+1=\xff", "answer": "10"}'  # line 70: a Latin-1 byte, not UTF-8
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b"\n".join(rows) + b"\n")
+    with pytest.raises(DataError) as info:
+        jsonl.read_prompts(p, TOK)
+    assert (info.value.location, info.value.reason) == (f"{p}:70", "invalid_utf8")
+    assert str(info.value) == f"{p}:70: not UTF-8 (byte 0xff at column 17)"
+    data = jsonl.read_prompts(p, TOK, on_error="skip")
+    assert len(data.prompt_text) == 69 and f"{p}:70" not in data.location
+    assert dict(data.skipped.counts) == {"invalid_utf8": 1}
+
+
 def test_preference_pairs_and_their_errors(tmp_path):
     p = _write(tmp_path / "pairs.jsonl", [
         {"q": "1+2=", "good": "3", "bad": "4"},

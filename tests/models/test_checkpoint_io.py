@@ -229,6 +229,46 @@ def test_wrong_shape_names_file_and_tensor(ours, tmp_path):
     assert str(e.value) == f"{fname}: tensor '{name}' has shape (48, 48), expected (64, 48)"
 
 
+def _truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def test_truncated_files_are_named(ckpt, ours, tmp_path):
+    """A truncated config.json, model.safetensors, index or shard: a CheckpointError naming
+    the file (the shard, through the sharded loader too), not a bare JSONDecodeError or
+    SafetensorError."""
+    from jaxrlhf.parallel import make_mesh
+    from jaxrlhf.parallel.loading import load_pretrained_sharded
+
+    cfg = ckpt / "config.json"
+    original = cfg.read_bytes()
+    _truncate(cfg)
+    with pytest.raises(CheckpointError, match=rf"^{cfg} is truncated or corrupt: it is not valid JSON \("):
+        load_pretrained(ckpt)
+    cfg.write_bytes(original)
+    _truncate(ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"^{ckpt / 'model.safetensors'} is truncated or corrupt: "):
+        load_pretrained(ckpt)
+
+    model, params = ours
+    out = save_pretrained(model, params, tmp_path / "sharded", max_shard_bytes=40_000)
+    shard = os.path.join(out, sorted(f for f in os.listdir(out) if f.startswith("model-"))[1])
+    _truncate(tmp_path / "sharded" / os.path.basename(shard))
+    with pytest.raises(CheckpointError, match=rf"^{shard} is truncated or corrupt: "):
+        load_pretrained_sharded(out, make_mesh("data=1", devices=jax.devices()[:1]))
+    _truncate(tmp_path / "sharded" / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is truncated or corrupt"):
+        load_pretrained(out)
+
+    from jaxrlhf.data import CharTokenizer
+    from jaxrlhf.models import load_tokenizer
+
+    CharTokenizer().to_hf().save_pretrained(tmp_path / "tok")
+    _truncate(tmp_path / "tok" / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'tok' / 'tokenizer.json'} is truncated or corrupt"):
+        load_tokenizer(tmp_path / "tok")
+
+
 def test_missing_tensor(ckpt):
     _edit_weights(ckpt, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"model.safetensors: missing tensors \['model.layers.2.mlp.up_proj.weight'\]"):

@@ -42,14 +42,16 @@ def test_tiny_variant_runs_end_to_end(path, tmp_path):
         assert {"accuracy", "reward"} <= set(summary["stages"][f"after {config.algorithm.upper()}"])
 
 
-def _tiny_checkpoint(path):
-    """A tiny random qwen2 checkpoint with the character tokenizer, as a Hugging Face folder."""
+def _tiny_checkpoint(path, chat_template=None):
+    """A tiny random qwen2 checkpoint with the character tokenizer (and `chat_template`, a
+    Jinja template, if given), as a Hugging Face folder."""
     import transformers
 
     from jaxrlhf import data
     from jaxrlhf.models import ModelConfig, random_init, save_pretrained
 
     tok = data.CharTokenizer().to_hf()
+    tok.chat_template = chat_template
     cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16, model_type="qwen2", qkv_bias=True, pad_token_id=0,
                       bos_token_id=1, eos_token_id=2)
@@ -60,8 +62,13 @@ def _tiny_checkpoint(path):
 
 
 def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_path):
-    """The realistic config end to end: local HF folder (weights + tokenizer) and JSONL data."""
-    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    """The realistic config end to end: local HF folder (weights + tokenizer) and JSONL data.
+    The `:tiny` variant encodes prompts without the chat template, yet its export keeps the
+    source tokenizer's template (it was written as `chat_template: null`)."""
+    import transformers
+
+    template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt", chat_template=template)
     rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 2)]]
     rows.append({"question": "", "answer": "1"})  # skipped (empty prompt) and counted
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -75,6 +82,10 @@ def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_pat
     summary = train_and_evaluate(config, tmp_path / "run")
     assert "after GRPO" in summary["stages"]
     assert (tmp_path / "run" / "export" / "model.safetensors").exists()
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "export")
+    assert exported.chat_template == template
+    messages = [{"role": "user", "content": "1+2"}]
+    assert exported.apply_chat_template(messages, tokenize=False) == "1+2="
 
 
 def test_word_problems_config_runs_on_a_tiny_random_checkpoint(tmp_path):

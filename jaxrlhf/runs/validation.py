@@ -1,0 +1,134 @@
+"""A run config checked before any work: impossible values, and batch shapes that do not
+fit the mesh.
+
+`check_config(config, placement)` is called at the start of `train_and_evaluate`, before
+the task, the model or the workdir are touched, so that a negative step count or a batch
+that does not split over the devices fails in seconds with the key to change — not after
+an SFT phase has run (each phase used to check its own shapes when it started, and a
+negative `steps` ran nothing and reported success).
+
+Checked for every phase the run will execute (`phases_of`):
+- counts that must be positive (`steps` of the run's own phases, batch sizes,
+  `sampling.num_samples`, minibatches, microbatches, ...) or non-negative (`sft.steps`,
+  `train.eval_every`, ...);
+- the global batch rows each phase hands to the mesh (`sft.batch_size`,
+  `grpo.prompts_per_step` or `grpo.pool_size`, `ppo.prompts_per_step`, `dpo.batch_size`,
+  `reward_model.batch_size`) against the mesh's row shards (`Placement.check_rows`);
+- the rows of one update against its minibatches × microbatches (GRPO: prompts_per_step
+  × num_samples responses; PPO: prompts_per_step × num_samples; DPO and the reward model:
+  batch_size).
+The held-out evaluation pads its batches to the mesh, so `train.eval_batch_size` only has
+to be positive.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class RowChecker(Protocol):
+    """What the checks need of a `sharding.Placement`: `check_rows(rows, field)` raises a
+    ValueError naming `field` when `rows` does not split over the mesh's row shards."""
+
+    def check_rows(self, rows: int, field: str) -> None: ...
+
+
+# field -> smallest allowed value, per section; "steps" of a run's own phases is >= 1 (below).
+_MINIMUM = {
+    "sft": {"steps": 0, "batch_size": 1},
+    "grpo": {"steps": 1, "prompts_per_step": 1, "pool_size": 0, "sampling.num_samples": 1,
+             "sampling.max_new_tokens": 1, "num_iterations": 1, "num_minibatches": 1, "num_microbatches": 1},
+    "ppo": {"steps": 1, "prompts_per_step": 1, "sampling.num_samples": 1, "sampling.max_new_tokens": 1,
+            "num_ppo_epochs": 1, "num_minibatches": 1, "num_microbatches": 1},
+    "dpo": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
+    "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
+    "train": {"log_every": 1, "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 1, "eval_batch_size": 1,
+              "eval_samples": 0},
+}
+_OPTIM_MINIMUM = {"lr": 0, "warmup_steps": 0, "decay_steps": 0}
+
+
+def phases_of(config) -> tuple[str, ...]:
+    """The phases `config` runs, in order (as `train_and_evaluate` runs them)."""
+    alg = config.algorithm
+    out = ["sft"] if alg == "sft" or config.sft.steps > 0 else []
+    if alg in ("reward_model", "ppo") and (alg == "reward_model" or config.ppo.get("reward", "model") == "model"):
+        out.append("reward_model")
+    if alg in ("grpo", "ppo", "dpo"):
+        out.append(alg)
+    return tuple(out)
+
+
+def _get(section, dotted: str):
+    for part in dotted.split("."):
+        section = section[part]
+    return section
+
+
+def _check_minimum(key: str, value, minimum) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        hint = " (0 skips the SFT warm start)" if key == "sft.steps" else ""
+        raise ValueError(f"{key}={value!r} is impossible: it must be >= {minimum}{hint}")
+
+
+def check_values(config) -> None:
+    """Every count of the phases `config` runs (and of `train`) within its range: a
+    ValueError naming the first key that is not, e.g. `grpo.steps=-3`."""
+    _check_minimum("sft.steps", config.sft.steps, 0)  # also when SFT does not run: -1 is not "skip"
+    run = phases_of(config)
+    for section in (*run, "train"):
+        for field, minimum in _MINIMUM[section].items():
+            if section == "sft" and field == "steps" and config.algorithm == "sft":
+                minimum = 1
+            try:
+                value = _get(config[section], field)
+            except KeyError:  # a config without this field: nothing to check
+                continue
+            _check_minimum(f"{section}.{field}", value, minimum)
+        for name in ("optim", "critic_optim"):
+            if section != "train" and name in config[section]:
+                for field, minimum in _OPTIM_MINIMUM.items():
+                    _check_minimum(f"{section}.{name}.{field}", config[section][name][field], minimum)
+
+
+def _split(rows: int, rows_name: str, parts: dict) -> None:
+    """`rows` (described by `rows_name`) must split into the product of `parts` equal pieces."""
+    n = 1
+    for v in parts.values():
+        n *= v
+    if rows % n:
+        names = " × ".join(f"{k}={v}" for k, v in parts.items())
+        raise ValueError(f"{rows_name} = {rows} rows do not split into {names} equal parts; change one of them")
+
+
+def check_shapes(config, placement: RowChecker) -> None:
+    """The batch rows of every phase `config` runs against the mesh's row shards and their
+    minibatch / microbatch splits: a ValueError naming the key to change."""
+    for phase in phases_of(config):
+        c = config[phase]
+        if phase in ("sft", "dpo", "reward_model"):
+            placement.check_rows(c.batch_size, f"{phase}.batch_size")
+            if "num_microbatches" in c:
+                _split(c.batch_size, f"{phase}.batch_size", {f"{phase}.num_microbatches": c.num_microbatches})
+        elif phase == "grpo":
+            pooled = c.dynamic_sampling and c.pool_size > 0
+            placement.check_rows(c.pool_size if pooled else c.prompts_per_step,
+                                 "grpo.pool_size" if pooled else "grpo.prompts_per_step")
+            _split(c.prompts_per_step * c.sampling.num_samples, "grpo.prompts_per_step × grpo.sampling.num_samples",
+                   {"grpo.num_minibatches": c.num_minibatches, "grpo.num_microbatches": c.num_microbatches})
+        else:  # ppo
+            placement.check_rows(c.prompts_per_step, "ppo.prompts_per_step")
+            n = c.prompts_per_step * c.sampling.num_samples
+            _split(n, "ppo.prompts_per_step × ppo.sampling.num_samples", {"ppo.num_minibatches": c.num_minibatches})
+            _split(n // c.num_minibatches, "a PPO minibatch (prompts_per_step × num_samples / num_minibatches)",
+                   {"ppo.num_microbatches": c.num_microbatches})
+
+
+def check_config(config, placement: RowChecker) -> None:
+    """`check_values` then `check_shapes`: everything about `config` that can be known
+    before the task and model are built, checked before any work."""
+    check_values(config)
+    check_shapes(config, placement)
+
+
+__all__ = ["check_config", "check_shapes", "check_values", "phases_of"]

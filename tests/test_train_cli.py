@@ -1,0 +1,158 @@
+"""What `python -m jaxrlhf.train` shows when something is wrong: exit status 1, one last line
+`error: ...` naming the key/file, the traceback in `<workdir>/train.log` once the run owns
+its workdir, and nothing written for a run refused before any work.
+
+Every CLI case fails before training (a few seconds of imports each); the checks behind
+them are also tested in-process (`cli.unknown_key`, `runs.validation`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrlhf import cli
+from jaxrlhf.runs import config_base as base
+from jaxrlhf.runs import validation
+
+REPO = Path(__file__).resolve().parents[1]
+GRPO = f"--config={REPO}/configs/addition_grpo.py:tiny"
+
+
+def _train(*args, devices: int | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXRLHF_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return subprocess.run([sys.executable, "-m", "jaxrlhf.train", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert lines, proc.stdout
+    return lines[-1]
+
+
+@pytest.mark.parametrize("args, last", [
+    # an unknown key one level above its nearest match: ml_collections said only "'lrr'"
+    (["--config.grpo.lrr=1e-3"], "error: --config.grpo.lrr: config.grpo has no key 'lrr'; "
+                                 "did you mean --config.grpo.optim.lr?"),
+    (["--config.grpo.steps=-3"], "error: grpo.steps=-3 is impossible: it must be >= 1 "
+                                 "(set JAXRLHF_TRACEBACK=1 for the full traceback)"),
+    (["--config.sft.steps=-1"], "error: sft.steps=-1 is impossible: it must be >= 0 (0 skips the SFT warm start) "
+                                "(set JAXRLHF_TRACEBACK=1 for the full traceback)"),
+], ids=["unknown_key", "negative_rl_steps", "negative_sft_steps"])
+def test_refused_before_any_work(tmp_path, args, last):
+    workdir = tmp_path / "w"
+    proc = _train(GRPO, *args, f"--workdir={workdir}")
+    assert (proc.returncode, _last_line(proc)) == (1, last), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists()
+
+
+def test_batch_that_misfits_the_mesh_is_refused_before_sft(tmp_path):
+    """On 2 devices, 3 prompts per GRPO step do not split: said before the SFT phase runs."""
+    workdir = tmp_path / "w"
+    proc = _train(GRPO, "--config.grpo.prompts_per_step=3", f"--workdir={workdir}", devices=2)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _last_line(proc).startswith("error: grpo.prompts_per_step=3 does not split into the 2 row shards of mesh "
+                                       "(data=2, fsdp=1, tensor=1)")
+    assert not workdir.exists()
+
+
+def test_failure_in_a_run_names_the_file_and_logs_the_traceback(tmp_path):
+    """A truncated config.json of `model.path`: one line naming the file; the full traceback
+    (and the run's log lines) in `<workdir>/train.log`, appended per run start."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "qwen2", "hidden_')
+    workdir = tmp_path / "w"
+    proc = _train(GRPO, f"--config.model.path={ckpt}", f"--workdir={workdir}")
+    log = workdir / "train.log"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = _last_line(proc)
+    assert last.startswith(f"error: {ckpt / 'config.json'} is truncated or corrupt: it is not valid JSON "
+                           "(Unterminated string"), last
+    assert last.endswith(f" (full traceback in {log})")
+    assert "Traceback" not in proc.stderr
+    text = log.read_text()
+    assert text.count("run start: pid") == 1 and f"--workdir={workdir}" in text
+    assert "INFO jaxrlhf: workdir:" in text and "Traceback (most recent call last)" in text
+    assert "json.decoder.JSONDecodeError" in text  # the library error, kept as the cause
+
+
+def test_unknown_key_help_at_every_level():
+    config = base.mlc.ConfigDict(dict(algorithm="grpo", grpo=base.grpo(), train=base.train()))
+    assert cli.unknown_key(config, "grpo.optim.lr") is None
+    assert cli.unknown_key(config, "grpo.optim.lrr") == ("--config.grpo.optim.lrr: config.grpo.optim has no key "
+                                                         "'lrr'; did you mean --config.grpo.optim.lr?")
+    assert cli.unknown_key(config, "lrr") == ("--config.lrr: config has no key 'lrr'; "
+                                              "did you mean --config.grpo.optim.lr?")  # found a level deeper
+    assert cli.unknown_key(config, "grpo.sampling.num_sample").endswith(
+        "did you mean --config.grpo.sampling.num_samples?")
+    assert cli.unknown_key(config, "trian.log_every").endswith("did you mean --config.train?")
+    assert cli.unknown_key(config, "grpo.zzzzzz") == (
+        "--config.grpo.zzzzzz: config.grpo has no key 'zzzzzz'; its keys: " + ", ".join(config.grpo.keys()))
+    assert cli.unknown_key(config, "grpo.steps.x") == (
+        "--config.grpo.steps.x: config.grpo.steps is a value (100), not a section with key 'x'")
+
+
+def test_one_line_keeps_the_type_only_where_the_message_needs_it():
+    from jaxrlhf.models import CheckpointError
+
+    assert cli.one_line(ValueError("grpo.steps=-3 is impossible\n(details)")) == "grpo.steps=-3 is impossible"
+    assert cli.one_line(CheckpointError("/c/config.json is truncated")) == "/c/config.json is truncated"
+    assert cli.one_line(KeyError("answer")) == "KeyError: 'answer'"
+    assert cli.one_line(RuntimeError()) == "RuntimeError"
+    assert cli.one_line(ValueError("x" * 1000)) == "x" * 600 + " ..."
+
+
+class _Mesh:
+    """A stand-in for `sharding.Placement.check_rows` on a mesh of `ways` row shards."""
+
+    def __init__(self, ways: int):
+        self.ways = ways
+
+    def check_rows(self, rows, field):
+        if rows % self.ways:
+            raise ValueError(f"{field}={rows} does not split into {self.ways}")
+
+
+def _config(algorithm, **sections):
+    c = base.mlc.ConfigDict(dict(algorithm=algorithm, sft=base.sft(steps=2, batch_size=8), train=base.train(),
+                                 grpo=base.grpo(prompts_per_step=4, sampling=dict(num_samples=4)),
+                                 ppo=base.ppo(prompts_per_step=4, num_ppo_epochs=1), dpo=base.pairs_phase("dpo"),
+                                 reward_model=base.pairs_phase("reward_model", batch_size=8)))
+    for name, fields in sections.items():
+        c[name].update(fields)
+    return c
+
+
+@pytest.mark.parametrize("algorithm, sections, ways, message", [
+    ("grpo", {}, 4, None),
+    ("grpo", {"sft": {"batch_size": 6}}, 4, "sft.batch_size=6 does not split into 4"),
+    ("grpo", {"sft": {"steps": 0, "batch_size": 6}}, 4, None),  # SFT does not run: its batch is not checked
+    ("grpo", {"grpo": {"dynamic_sampling": True, "pool_size": 6}}, 4, "grpo.pool_size=6"),
+    ("grpo", {"grpo": {"num_minibatches": 3}}, 1, "grpo.prompts_per_step × grpo.sampling.num_samples = 16 rows"),
+    ("ppo", {"ppo": {"num_minibatches": 2, "num_microbatches": 4}}, 1,
+     r"a PPO minibatch \(prompts_per_step × num_samples / num_minibatches\) = 2 rows"),
+    ("ppo", {"reward_model": {"batch_size": 6}}, 4, "reward_model.batch_size=6"),
+    ("ppo", {"ppo": {"reward": "task"}, "reward_model": {"batch_size": 6}}, 4, None),  # no reward model phase
+    ("dpo", {"dpo": {"batch_size": 32, "num_microbatches": 3}}, 1, "dpo.batch_size = 32 rows"),
+    ("dpo", {"dpo": {"steps": 0}}, 1, r"dpo.steps=0 is impossible: it must be >= 1"),
+    ("sft", {"sft": {"steps": 0}}, 1, r"sft.steps=0 is impossible: it must be >= 1"),
+    ("grpo", {"grpo": {"optim": {"lr": -1e-3}}}, 1, r"grpo.optim.lr=-0.001 is impossible"),
+    ("grpo", {"train": {"eval_batch_size": 0}}, 1, r"train.eval_batch_size=0 is impossible"),
+])
+def test_every_phase_checked_against_the_mesh_before_any_work(algorithm, sections, ways, message):
+    config = _config(algorithm, **sections)
+    if message is None:
+        validation.check_config(config, _Mesh(ways))
+    else:
+        with pytest.raises(ValueError, match=message):
+            validation.check_config(config, _Mesh(ways))
