@@ -148,6 +148,9 @@ def _config(algorithm, **sections):
     ("sft", {"sft": {"steps": 0}}, 1, r"sft.steps=0 is impossible: it must be >= 1"),
     ("grpo", {"grpo": {"optim": {"lr": -1e-3}}}, 1, r"grpo.optim.lr=-0.001 is impossible"),
     ("grpo", {"train": {"eval_batch_size": 0}}, 1, r"train.eval_batch_size=0 is impossible"),
+    ("grpo", {"grpo": {"sampling": {"min_new_tokens": 9}}}, 1,
+     r"grpo.sampling.min_new_tokens=9 is impossible: it must be <= grpo.sampling.max_new_tokens=8"),
+    ("ppo", {"ppo": {"sampling": {"min_new_tokens": -1}}}, 1, r"ppo.sampling.min_new_tokens=-1 is impossible"),
 ])
 def test_every_phase_checked_against_the_mesh_before_any_work(algorithm, sections, ways, message):
     config = _config(algorithm, **sections)

@@ -37,9 +37,10 @@ class RowChecker(Protocol):
 _MINIMUM = {
     "sft": {"steps": 0, "batch_size": 1},
     "grpo": {"steps": 1, "prompts_per_step": 1, "pool_size": 0, "sampling.num_samples": 1,
-             "sampling.max_new_tokens": 1, "num_iterations": 1, "num_minibatches": 1, "num_microbatches": 1},
+             "sampling.max_new_tokens": 1, "sampling.min_new_tokens": 0, "num_iterations": 1, "num_minibatches": 1,
+             "num_microbatches": 1},
     "ppo": {"steps": 1, "prompts_per_step": 1, "sampling.num_samples": 1, "sampling.max_new_tokens": 1,
-            "num_ppo_epochs": 1, "num_minibatches": 1, "num_microbatches": 1},
+            "sampling.min_new_tokens": 0, "num_ppo_epochs": 1, "num_minibatches": 1, "num_microbatches": 1},
     "dpo": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
     "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
     "train": {"log_every": 1, "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 1, "eval_batch_size": 1,
@@ -85,6 +86,10 @@ def check_values(config) -> None:
             except KeyError:  # a config without this field: nothing to check
                 continue
             _check_minimum(f"{section}.{field}", value, minimum)
+        sampling = config[section].get("sampling") if section != "train" else None
+        if sampling is not None and sampling.get("min_new_tokens", 0) > sampling.max_new_tokens:
+            raise ValueError(f"{section}.sampling.min_new_tokens={sampling.min_new_tokens} is impossible: it must be "
+                             f"<= {section}.sampling.max_new_tokens={sampling.max_new_tokens}")
         for name in ("optim", "critic_optim"):
             if section != "train" and name in config[section]:
                 for field, minimum in _OPTIM_MINIMUM.items():
