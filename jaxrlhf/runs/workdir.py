@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -149,7 +150,8 @@ def _has_results(workdir: Path) -> bool:
 
 
 def _steps_change(key: str, old: int, new: int, phases: tuple, progress: dict) -> Change:
-    """A change of `<phase>.steps` of a phase that runs before and after it."""
+    """A change of `<phase>.steps` of a phase that runs before and after it (the steps of
+    one that runs on neither side change nothing)."""
     phase = key.split(".")[0]
     later = [p for p in phases[phases.index(phase) + 1:] if progress[p]]
     if later:
@@ -184,7 +186,7 @@ def config_changes(old: dict, new: dict, progress: dict) -> list[Change]:
             continue
         a, b = (repr(v) if v is not missing else v for v in (a, b))
         if key in new["settings"] and key in old["settings"]:
-            if key.endswith(".steps") and section in PHASES:
+            if key == f"{section}.steps" and section in new_phases:
                 changes.append(_steps_change(key, old_keys[key], new_keys[key], new_phases, progress))
             else:
                 changes.append(Change(key, a, b, True))
@@ -204,8 +206,8 @@ def _write_json(path: Path, text: str) -> None:
 def _read_record(path: Path) -> dict:
     try:
         record = json.loads(path.read_text())
-        if record.get("format") != 1 or not {"identity", "settings"} <= set(record):
-            raise ValueError(f"format {record.get('format')!r}, expected 1 with identity and settings")
+        if record.get("format") != 1 or not {"hash", "identity", "settings"} <= set(record):
+            raise ValueError(f"format {record.get('format')!r}, expected 1 with hash, identity and settings")
         return record
     except (OSError, ValueError) as e:
         raise WorkdirError(f"{path} is unreadable ({type(e).__name__}: {e}): restore it, or delete it to let "
@@ -379,11 +381,33 @@ def _broadcast_error(message: str) -> str:
 
 
 @contextlib.contextmanager
+def _release_on_sigterm(lock: WorkdirLock) -> Iterator[None]:
+    """A SIGTERM outside a phase (whose loop turns it into a checkpoint and an exit) ends the
+    process as it would have, the lock released first. Only where SIGTERM's action is the
+    default, in the main thread."""
+    def handle(signum, frame):
+        lock.release()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        installed = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.signal(signal.SIGTERM, handle)
+    except ValueError:  # not the main thread: leave signals alone
+        installed = False
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def claim(workdir: str | Path, config, *, resume_with_changes: bool = False) -> Iterator[list[Change]]:
     """Hold `workdir` for a run of `config`: create it, take its lock, then check (and record)
     the config — in that order, so two first starts cannot both record. Yields the accepted
     changes; releases the lock on exit. Raises `WorkdirError` on every process of the job
-    when process 0 cannot claim it."""
+    when process 0 cannot claim it. The lock is released on exit, on an exception, and on
+    a SIGTERM (`_release_on_sigterm`)."""
     workdir = Path(workdir)
     lock, failure, accepted = None, None, []
     if jax.process_index() == 0:
@@ -406,7 +430,8 @@ def claim(workdir: str | Path, config, *, resume_with_changes: bool = False) -> 
         if message:
             raise WorkdirError(f"process 0 could not claim the workdir: {message}")
     try:
-        yield accepted
+        with _release_on_sigterm(lock) if lock is not None else contextlib.nullcontext():
+            yield accepted
     finally:
         if lock is not None:
             lock.release()

@@ -63,8 +63,12 @@ def test_steps_may_grow_or_shrink_only_where_no_checkpoint_depends_on_them():
     assert _changes(_config(**{"sft.steps": 8}), progress={"sft": 4})["sft.steps"].safe
     added = _changes(_config(**{"sft.steps": 4}), old=_config(**{"sft.steps": 0}))
     assert list(added) == ["sft.steps"] and "adds the sft phase" in str(added["sft.steps"])
-    # the settings of a phase that does not run are not part of the record
+    # the settings of a phase that does not run are not part of the record; its steps change nothing
     assert _changes(_config(**{"sft.steps": 0, "sft.optim.lr": 1.0}), old=_config(**{"sft.steps": 0})) == {}
+    rule = {"ppo.reward": "task"}  # PPO on the task's reward: no reward-model phase
+    unused = _changes(_config("addition_ppo", **rule, **{"reward_model.steps": 9, "reward_model.optim.lr": 1.0}),
+                      old=_config("addition_ppo", **rule))
+    assert list(unused) == ["reward_model.steps"] and unused["reward_model.steps"].safe
 
 
 def test_another_algorithm_is_one_line_per_phase_not_per_key():
@@ -164,6 +168,23 @@ def test_claim_releases_the_lock_on_errors_and_on_a_refusal(tmp_path):
     with pytest.raises(W.WorkdirError, match="seed: 0 -> 1"):
         with W.claim(tmp_path, _config(seed=1)):
             pass
+    assert not (tmp_path / W.LOCK_FILE).exists()
+
+
+def test_a_sigterm_outside_a_phase_releases_the_lock_and_ends_the_process(tmp_path):
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); import ml_collections as mlc\n"
+            "from jaxrlhf.runs import workdir\n"
+            "config = mlc.ConfigDict(dict(algorithm='sft', sft=dict(steps=1)))\n"
+            f"with workdir.claim({str(tmp_path)!r}, config):\n"
+            "    print('claimed', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert proc.stdout.readline().strip() == "claimed" and (tmp_path / W.LOCK_FILE).exists()
+        proc.terminate()
+        assert proc.wait(timeout=60) == -15  # ended by the signal, as without the handler
+    finally:
+        proc.kill()
     assert not (tmp_path / W.LOCK_FILE).exists()
 
 
