@@ -49,6 +49,8 @@ from typing import Iterator, NamedTuple
 import jax
 import numpy as np
 
+from jaxrlhf.runs.stopping import run_phases
+
 log = logging.getLogger("jaxrlhf")
 
 LOCK_FILE = "run.lock"
@@ -86,19 +88,6 @@ class Change(NamedTuple):
     def __str__(self) -> str:
         why = f" ({self.why})" if self.why else ""
         return f"{self.key}: {self.old} -> {self.new}{why}"
-
-
-def run_phases(config) -> tuple[str, ...]:
-    """The phases `config` runs, in order, as `experiment.train_and_evaluate` runs them."""
-    algorithm = config.algorithm
-    phases = []
-    if algorithm == "sft" or ("sft" in config and config.sft.steps > 0):
-        phases.append("sft")
-    if algorithm == "reward_model" or (algorithm == "ppo" and config.ppo.reward == "model"):
-        phases.append("reward_model")
-    if algorithm in ("grpo", "ppo", "dpo"):
-        phases.append(algorithm)
-    return tuple(phases)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
