@@ -2,7 +2,10 @@
 
 Fields are overridden with `--config.<section>.<field>=value`; the config is locked, so a
 misspelt key at any depth is an error that names the nearest valid ones of its section
-(`jaxrlhf.cli.parse_flags`). A workdir that holds a checkpoint resumes from it.
+(`jaxrlhf.cli.parse_flags`). A workdir that holds a checkpoint resumes from it, if it was
+started with the same config: a changed one is refused with the changed keys, unless they
+are all safe to change and `--resume_with_changes` is given; a workdir another run holds is
+refused with that run's pid and host (`jaxrlhf.runs.workdir`).
 
 Every phase runs on the device mesh `--config.mesh` (default "data=-1": the batch split
 over all devices) with the sharding rules `--config.rules` ("fsdp_tp", "fsdp" or
@@ -33,6 +36,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<na
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported model "
                                                 "(default: a new temporary directory).")
+_RESUME_WITH_CHANGES = flags.DEFINE_bool(
+    "resume_with_changes", False, "Resume a workdir whose config changed only in keys that are safe to change "
+    "(jaxrlhf.runs.workdir.SAFE_TO_CHANGE: logging, evaluation, checkpointing, the mesh, a phase's steps); "
+    "other changes are refused whatever this says.")
 
 
 def main(argv):
@@ -58,7 +65,7 @@ def main(argv):
                              "processes write one checkpoint together")
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="jaxrlhf_")
     logging.getLogger("jaxrlhf").info("workdir: %s", workdir)
-    train_and_evaluate(_CONFIG.value, workdir)
+    train_and_evaluate(_CONFIG.value, workdir, resume_with_changes=_RESUME_WITH_CHANGES.value)
 
 
 if __name__ == "__main__":

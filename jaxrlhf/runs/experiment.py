@@ -8,7 +8,8 @@
 
 Every phase's counts and batch shapes are checked against the mesh before any work
 (`runs.validation`). Each phase checkpoints under `workdir/<phase>/` and a rerun with the
-same workdir resumes.
+same workdir resumes; the run holds the workdir's lock, and its config must be the one that
+started the workdir (`runs.workdir`: `run.lock`, `run.json`).
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
 `train.export`) a Hugging Face folder `workdir/export/` with the final policy. Every row of
 the table (start, after SFT, after the last phase) and every periodic evaluation
@@ -48,6 +49,7 @@ from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.tasks import build_task, make_accuracy_fn
+from jaxrlhf.runs.workdir import claim
 
 log = logging.getLogger("jaxrlhf")
 
@@ -79,8 +81,13 @@ def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | Non
     return text
 
 
-def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict:
-    """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`)."""
+def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_with_changes: bool = False) -> dict:
+    """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`).
+
+    The run holds the workdir's lock throughout, and a workdir started with another config
+    is refused before anything in it is written (`runs.workdir.claim`), unless every change
+    is safe to resume with (`runs.workdir.SAFE_TO_CHANGE`) and `resume_with_changes` is set.
+    """
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
     sampled = SampledEval.from_config(config.train)  # checked before any work
@@ -90,13 +97,16 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None) -> dict
     start = time.perf_counter()
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
-    main = jax.process_index() == 0
     log.info("%s", placement.describe())
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    with claim(workdir, config, resume_with_changes=resume_with_changes):  # the lock, then the config check
+        return _run(config, Path(workdir), placement=placement, sampled=sampled, stops=stops, start=start,
+                    should_stop=should_stop)
+
+
+def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop) -> dict:
+    """The phases, the summary table and the export, in a workdir this run holds."""
+    main = jax.process_index() == 0
     runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
-    if main:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     task = build_task(config.task, model_path=config.model.path)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)

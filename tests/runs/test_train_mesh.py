@@ -105,7 +105,8 @@ def runs(tmp_path_factory):
     if mesh.proc.returncode == 0:  # resume a copy of its checkpoints on another mesh, 2 steps further
         shutil.copytree(mesh.workdir, root / "grpo_resumed")
         started["grpo_resumed"] = _Run(root, "grpo_resumed", [*GRPO, *NO_EXPORT, "--config.grpo.steps=5",
-                                                              "--config.mesh=data=2,fsdp=2,tensor=2"], devices=8)
+                                                              "--config.mesh=data=2,fsdp=2,tensor=2",
+                                                              "--resume_with_changes"], devices=8)
     for run in started.values():
         run.wait()
     yield started
@@ -174,5 +175,6 @@ def test_mesh_checkpoint_resumes_on_another_mesh(runs):
     text = resumed.log.read_text()
     assert "mesh (data=2, fsdp=2, tensor=2)" in text
     assert "sft: resuming at step 4 of 4" in text and "grpo: resuming at step 3 of 5" in text
+    assert "resuming with mesh: 'fsdp=4,tensor=2' -> 'data=2,fsdp=2,tensor=2'" in text  # an accepted change
     _assert_rows_match(resumed.rows(), ref.rows(), "resumed on data=2,fsdp=2,tensor=2")  # steps 1-3, then 4-5
     _assert_stages_match(resumed.summary(), ref.summary(), ("after GRPO",), "resumed")
