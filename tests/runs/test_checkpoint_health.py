@@ -192,7 +192,7 @@ def test_a_resume_after_kill_minus_9_mid_save_cuts_the_log_back(tmp_path):
     for step in (4, 5):
         killed.add_scalar("phase/loss", 123.0, step)
     killed.close()
-    (run / "phase" / "4.orbax-checkpoint-tmp-1").mkdir()
+    (run / "phase" / "4.orbax-checkpoint-tmp").mkdir()
     _run(run, tensorboard=True)
     assert _rows(run) == _rows(tmp_path / "full")
     full, resumed = _events(tmp_path / "full" / "tensorboard" / "phase"), _events(run / "tensorboard" / "phase")

@@ -75,8 +75,8 @@ def test_tiny_variant_runs_end_to_end(path, tmp_path, compile_cache_dir):
             train_and_evaluate(config, resumed, should_stop=lambda step: next(calls) == stop)
         with open(resumed / "metrics.jsonl", "a") as log:
             log.write(lines[stop])  # step 2's row, then the kill while its checkpoint was written
-        (resumed / last / "2.orbax-checkpoint-tmp-1").mkdir()
-        (resumed / last / "2.orbax-checkpoint-tmp-1" / "_CHECKPOINT_METADATA").write_text("{")
+        (resumed / last / "2.orbax-checkpoint-tmp").mkdir()
+        (resumed / last / "2.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text("{")
         again = train_and_evaluate(config, resumed)
     assert _rows(resumed) == _rows(full)
     assert again["stages"] == summary["stages"]
