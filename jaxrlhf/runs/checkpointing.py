@@ -144,21 +144,24 @@ class Checkpointer:
 
         Steps newer than the one restored are moved aside (`move_aside`) with a warning naming
         each and its error. Every process takes the same decision: a step counts as failed
-        when it failed on any process. When no step restores, nothing is moved and the
+        when it failed to read on any process, and `check` must give every process the same
+        answer (e.g. from a replicated reduction). When no step restores, nothing is moved and the
         `CheckpointError` names the folder, the newest step's error and what to do.
         """
         failed: list[tuple[int, str]] = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                restored = self.restore(abstract_state, step)
-                problem = check(restored[1]) if check is not None else None
+                restored, problem = self.restore(abstract_state, step), None
             except CheckpointError as e:
                 restored, problem = None, str(e)
             if distributed.any_process(problem is not None):
                 failed.append((step, problem or "it does not restore on another process"))
                 continue
+            if check is not None and (problem := check(restored[1])) is not None:  # the same on every process
+                failed.append((step, problem))
+                continue
             for bad, error in failed:
-                log.warning("checkpoint %s does not restore (%s); moved to %s, resuming from step %d", 
+                log.warning("checkpoint %s does not restore (%s); moved to %s, resuming from step %d",
                             self.directory / str(bad), error, self.move_aside(bad).name, step)
             return restored
         if not failed:
