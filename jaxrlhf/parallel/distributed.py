@@ -165,6 +165,23 @@ def gather(tree: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
+def any_process(flag: bool) -> bool:
+    """`flag` of any process, the same answer on every process (a preemption signal, or a
+    checkpoint file that fails to read, may reach only some of them)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+    return bool(np.max(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def barrier(name: str) -> None:
+    """Waits until every process got here (a no-op for one process): e.g. after process 0
+    renamed a folder the others are about to list."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 def gather_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Scalar metrics as Python floats (every process gets the same values)."""
     return {k: float(np.asarray(v)) for k, v in gather(dict(metrics)).items()}

@@ -135,13 +135,20 @@ def train(**kw) -> mlc.ConfigDict:
       "after" row and the export use them; costs one device copy of the policy's parameters,
       and each checkpoint holds them too). stop_phases: the phases the rule applies to,
       comma-separated (e.g. "sft,ppo"; "" = the run's own phase, `config.algorithm`).
+
+    max_param_norm_change: after every update of every phase the new state is checked
+      before it can be saved (`runs.health`): all of it finite, and the global norm of the
+      trained parameters changed by at most this fraction of its value (1.0: the norm may
+      not double, nor drop to 0, in one update; the shipped configs change it by at most
+      ~0.001 per update). A blow-up stops the run at that step with the reason, keeping the
+      checkpoints before it. 0 = no bound (finiteness is still checked).
     """
     mon = kw.pop("monitor", {})
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
         show_samples=5, export=True, eval_batch_size=512, eval_samples=0, eval_k="1,4,8", eval_temperature=1.0,
         stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
-        monitor=monitor(**mon)), **kw))
+        max_param_norm_change=1.0, monitor=monitor(**mon)), **kw))
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:

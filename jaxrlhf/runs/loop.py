@@ -1,12 +1,14 @@
 """The one training loop every algorithm runs through.
 
 `run_phase` drives `step(state, batch, rng) -> (state, metrics)` for a number of steps and
-owns what a user expects around it: resume from the latest checkpoint of the phase (with
-the data position), RNG folded with the step, a tqdm bar with live metrics, metrics to
+owns what a user expects around it: resume from the newest checkpoint of the phase that
+restores (with the data position; a damaged newer one is moved aside), the log cut back to
+that step, RNG folded with the step, a tqdm bar with live metrics, metrics to
 `metrics.jsonl` and TensorBoard, the health monitor (a NaN stops the run before anything
-is saved), periodic evaluation, early stopping on a held-out metric (`runs.stopping`,
-optionally ending with the best evaluation's parameters), and SIGTERM (preemption) saving a
-checkpoint before a clean exit.
+is saved), the update guard (`runs.health`: a state that is not finite or whose
+parameters' norm jumped stops the run before it is saved), periodic evaluation, early
+stopping on a held-out metric (`runs.stopping`, optionally ending with the best
+evaluation's parameters), and SIGTERM (preemption) saving a checkpoint before a clean exit.
 
 In a multi-process job every process runs the loop in lockstep (steps, evaluations and
 checkpoint saves are collective): metrics are read replicated, only process 0 writes them,
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 from jaxrlhf.monitor import HealthMonitor, NonFiniteError
 from jaxrlhf.parallel import distributed
 from jaxrlhf.runs.checkpointing import Checkpointer
+from jaxrlhf.runs.health import UpdateGuard
 from jaxrlhf.runs.metrics import MetricsWriter, to_python
 from jaxrlhf.runs.stopping import EarlyStop, copy_params
 
@@ -82,6 +85,7 @@ class PhaseConfig:
     eval_every: int = 0
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    max_param_norm_change: float = 0.0  # relative bound per update (`health.UpdateGuard`), 0 = none
     progress: bool = True
     show: tuple[str, ...] = ("loss",)  # metric names shown on the progress bar
 
@@ -109,12 +113,37 @@ class _SigtermFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _any_process(flag: bool) -> bool:
-    """`flag` of any process (a preemption signal may reach only some of them)."""
-    if jax.process_count() == 1:
-        return bool(flag)
-    from jax.experimental import multihost_utils
-    return bool(np.max(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+def _resume(phase: PhaseConfig, ckpt: Checkpointer, state, batches: Batches, guard: UpdateGuard,
+            early_stop: EarlyStop | None, params_of) -> tuple[int, Any, Any, int | None]:
+    """`(start, state, best, stopped_at)` of a phase: its newest checkpoint that restores
+    (`Checkpointer.restore_newest`: a damaged newer one is moved aside, and a state that is
+    not finite does not count), with the data position and early-stopping state put back,
+    or step 0 from `state`. `guard` reads the state the phase starts from."""
+    if ckpt.latest_step() is None:
+        guard.start(state)
+        return 0, state, None, None
+
+    def fit(restored):
+        return None if guard.start(restored).state_finite else "the saved state holds values that are not finite"
+
+    start, state, meta = ckpt.restore_newest(state, check=fit)
+    batches.restore(meta["data"])
+    best, stopped_at = None, meta.get("stopped_early_at")
+    if stopped_at is not None:
+        log.info("%s: stopped early at step %d of %d in an earlier run: not re-run", phase.name, stopped_at,
+                 phase.num_steps)
+    else:
+        log.info("%s: resuming at step %d of %d", phase.name, start, phase.num_steps)
+    if early_stop is not None and early_stop.load_state_dict(meta.get("early_stop")):
+        if early_stop.keep_best and early_stop.best_step is not None and stopped_at is None \
+                and start < phase.num_steps:
+            if meta.get("best_saved"):
+                best = ckpt.restore_best(params_of(state), start)
+            else:  # the checkpoint was written without keep_best: the best so far is lost
+                log.warning("%s: checkpoint %d holds no best parameters; the best restarts from here",
+                            phase.name, start)
+                early_stop.forget_best()
+    return start, state, best, stopped_at
 
 
 def run_phase(
@@ -137,8 +166,17 @@ def run_phase(
     """Run (or resume) a phase; returns `(state, last_metrics)`.
 
     Checkpoints go to `workdir/<phase.name>/`; a phase whose final checkpoint exists is
-    restored and not re-run. `should_stop(step)` lets a caller interrupt the run like a
-    SIGTERM (tests use it to check that resuming equals an uninterrupted run).
+    restored and not re-run. A phase resumes from its newest checkpoint that restores and
+    holds a finite state (`Checkpointer.restore_newest`), and before it runs cuts the log
+    back to that step (`MetricsWriter.start_phase`): the metrics of an interrupted and
+    resumed run equal an uninterrupted run's. `should_stop(step)` lets a caller interrupt
+    the run like a SIGTERM (tests use it to check that resuming equals an uninterrupted run).
+
+    After every update the new state is checked before it can be saved (`health.UpdateGuard`):
+    a floating leaf that is not finite, or a change of the global norm of `params_of(state)`
+    (default: the whole state) beyond `phase.max_param_norm_change` times its value, raises
+    `UnhealthyUpdateError` naming the phase, step and reason; the checkpoints saved before
+    are kept.
 
     `early_stop` (a `stopping.EarlyStop`) reads each evaluation: the phase ends early, as a
     finished phase (final checkpoint saved, its meta's `stopped_early_at` keeps a rerun from
@@ -158,37 +196,25 @@ def run_phase(
         if early_stop.keep_best and (params_of is None or with_params is None):
             raise ValueError(f"{phase.name}: keep_best needs params_of and with_params")
     keep_best = early_stop is not None and early_stop.keep_best
+    guard = UpdateGuard(phase.name, params_of or (lambda whole: whole), max_norm_change=phase.max_param_norm_change)
     ckpt = Checkpointer(Path(workdir) / phase.name, max_to_keep=phase.keep_checkpoints)
-    start, best, stopped_at = 0, None, None
-    if ckpt.latest_step() is not None:
-        start, state, meta = ckpt.restore(state)
-        batches.restore(meta["data"])
-        stopped_at = meta.get("stopped_early_at")
-        if stopped_at is not None:
-            log.info("%s: stopped early at step %d of %d in an earlier run: not re-run", phase.name, stopped_at,
-                     phase.num_steps)
-        else:
-            log.info("%s: resuming at step %d of %d", phase.name, start, phase.num_steps)
-        if early_stop is not None and early_stop.load_state_dict(meta.get("early_stop")):
-            if keep_best and early_stop.best_step is not None and stopped_at is None and start < phase.num_steps:
-                if meta.get("best_saved"):
-                    best = ckpt.restore_best(params_of(state), start)
-                else:  # the checkpoint was written without keep_best: the best so far is lost
-                    log.warning("%s: checkpoint %d holds no best parameters; the best restarts from here",
-                                phase.name, start)
-                    early_stop.forget_best()
-    end = phase.num_steps if stopped_at is None else start  # an early-stopped phase is finished
-    if early_stop is not None and start == 0 < end:
-        # The starting point is a candidate too: with keep_best a phase that only makes the
-        # held-out metric worse ends where it began.
-        evaluation = to_python(eval_fn(state))
-        if early_stop.update(0, evaluation) and keep_best:
-            best = copy_params(params_of(state))
-        log.info("%s: eval/%s at the start: %.4g", phase.name, early_stop.metric, evaluation[early_stop.metric])
-    last: dict = {}
-    bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name, disable=not (phase.progress and writer.enabled),
-               dynamic_ncols=True, mininterval=1.0)
-    try:
+    bar = None
+    try:  # closes the checkpointer on every way out, a failed restore included
+        start, state, best, stopped_at = _resume(phase, ckpt, state, batches, guard, early_stop, params_of)
+        end = phase.num_steps if stopped_at is None else start  # an early-stopped phase is finished
+        if start < end:
+            writer.start_phase(phase.name, start)  # rows past the checkpoint go: the log of an uninterrupted run
+        if early_stop is not None and start == 0 < end:
+            # The starting point is a candidate too: with keep_best a phase that only makes the
+            # held-out metric worse ends where it began.
+            evaluation = to_python(eval_fn(state))
+            if early_stop.update(0, evaluation) and keep_best:
+                best = copy_params(params_of(state))
+            log.info("%s: eval/%s at the start: %.4g", phase.name, early_stop.metric, evaluation[early_stop.metric])
+        last: dict = {}
+        saved = start or None  # the phase's newest checkpoint
+        bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name,
+                   disable=not (phase.progress and writer.enabled), dynamic_ncols=True, mininterval=1.0)
         with _SigtermFlag() as sigterm:
             for step in range(start, end):
                 t0 = time.perf_counter()
@@ -202,6 +228,8 @@ def run_phase(
                 elif not all(np.isfinite(v) for v in metrics.values() if isinstance(v, float)):
                     raise NonFiniteError(done, [k for k, v in metrics.items()
                                                 if isinstance(v, float) and not np.isfinite(v)])
+                # The metrics were computed before the update: the new state is checked itself.
+                guard.check(state, done, last_saved=saved)  # raises UnhealthyUpdateError before any save
                 finished = done == phase.num_steps
                 if eval_fn is not None and phase.eval_every and (done % phase.eval_every == 0):
                     evaluation = to_python(eval_fn(state))
@@ -224,11 +252,11 @@ def run_phase(
                         log.info("%s: ending with the parameters of step %d (eval/%s %.4g), not step %d's",
                                  phase.name, early_stop.best_step, early_stop.metric, early_stop.best_value, done)
                 if done % phase.log_every == 0 or finished:
-                    writer.write(done, metrics, prefix=f"{phase.name}/")
+                    writer.write(done, metrics, phase=phase.name)
                 bar.update(1)
                 bar.set_postfix({k: f"{metrics[k]:.4g}" for k in phase.show if k in metrics}, refresh=False)
                 last = metrics
-                stop = _any_process(sigterm.raised or (should_stop is not None and should_stop(done)))
+                stop = distributed.any_process(sigterm.raised or (should_stop is not None and should_stop(done)))
                 if done % phase.checkpoint_every == 0 or finished or stop:
                     meta = {"data": batches.position, "step": done, **(extra_meta(state) if extra_meta else {})}
                     keep = None if finished else best  # a finished state already holds the best
@@ -237,12 +265,14 @@ def run_phase(
                         if early_stop.stopped_at is not None:
                             meta["stopped_early_at"] = early_stop.stopped_at
                     ckpt.save(done, state, meta, best=keep, force=True)
+                    saved = done
                 if finished:
                     break
                 if stop:
                     ckpt.wait()
                     raise Preempted(done)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         ckpt.close()
     return state, last

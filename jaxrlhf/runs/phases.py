@@ -60,7 +60,7 @@ def _sharded_step(step_fn, placement: Placement, state_shardings, rows: int):
 def _phase(name, cfg, train, **kw) -> PhaseConfig:
     return PhaseConfig(name=name, num_steps=cfg.steps, log_every=train.log_every, eval_every=train.eval_every,
                        checkpoint_every=train.checkpoint_every, keep_checkpoints=train.keep_checkpoints,
-                       progress=train.progress, **kw)
+                       max_param_norm_change=train.max_param_norm_change, progress=train.progress, **kw)
 
 
 def _stopping(early_stop: EarlyStop | None, role: str | None = None) -> dict:

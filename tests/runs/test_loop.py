@@ -86,8 +86,9 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     for f in (tmp_path / "phase" / "2" / "state").rglob("*"):
         if f.is_file() and f.stat().st_size > 0:
             f.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match=r"phase/2 is corrupt"):
+    with pytest.raises(CheckpointError, match=r"phase/2 is corrupt.* move \S*phase aside to start this phase over"):
         _run(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "phase").iterdir()) == ["2"]  # no step restores: nothing moved
 
 
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_cleanly(tmp_path):
