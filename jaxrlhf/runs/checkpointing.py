@@ -168,9 +168,9 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         newest, error = failed[0]
         raise CheckpointError(
-            f"no checkpoint in {self.directory} restores (steps {', '.join(str(s) for s, _ in failed)}); the newest, "
-            f"{newest}: {error} — if the config changed since they were written, rerun with the config of "
-            f"config.json; if they are damaged, move {self.directory} aside to start this phase over")
+            f"no checkpoint in {self.directory} restores (steps {', '.join(str(s) for s, _ in failed)}): if the "
+            f"config changed since they were written, rerun with the config of config.json; if they are damaged, "
+            f"move {self.directory} aside to start this phase over. The newest, {newest}: {error}")
 
     def move_aside(self, step: int) -> Path:
         """Renames checkpoint `step`'s folder to `<step>.corrupt-<n>` (the first free n), kept

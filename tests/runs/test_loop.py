@@ -86,7 +86,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     for f in (tmp_path / "phase" / "2" / "state").rglob("*"):
         if f.is_file() and f.stat().st_size > 0:
             f.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match=r"phase/2 is corrupt.* move \S*phase aside to start this phase over"):
+    with pytest.raises(CheckpointError, match=r"move \S*phase aside to start this phase over. The newest, 2: .*phase/2 is corrupt"):
         _run(tmp_path)
     assert sorted(p.name for p in (tmp_path / "phase").iterdir()) == ["2"]  # no step restores: nothing moved
 

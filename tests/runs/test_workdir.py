@@ -43,12 +43,14 @@ def _changes(new, old=None, progress=None, **kw):
 def test_changed_keys_are_listed_with_old_and_new_values_and_judged():
     changes = _changes(_config(**{"grpo.optim.lr": 0.5, "seed": 7, "train.log_every": 2}))
     assert set(changes) == {"grpo.optim.lr", "seed", "train.log_every"}
-    assert str(changes["grpo.optim.lr"]) == "grpo.optim.lr: 0.0003 -> 0.5" and not changes["grpo.optim.lr"].safe
+    assert str(changes["grpo.optim.lr"]) == "grpo.optim.lr: 0.0003 -> 0.5" and changes["grpo.optim.lr"].safe
     assert not changes["seed"].safe and changes["train.log_every"].safe
+    assert not _changes(_config(**{"grpo.optim.b1": 0.8}))["grpo.optim.b1"].safe
     assert W.record_of(_config(**{"train.log_every": 2}))["hash"] == W.record_of(_config())["hash"]
     assert W.record_of(_config(**{"seed": 1}))["hash"] != W.record_of(_config())["hash"]
     # every pattern of the one list names a key of the configs (a typo would make nothing safe)
-    keys = {**W.record_of(_config())["identity"], **W.record_of(_config())["settings"]}
+    keys = {k for name in ("addition_grpo", "addition_ppo") for part in ("identity", "settings")
+            for k in W.record_of(_config(name))[part]}
     assert all(any(fnmatch.fnmatchcase(k, p) for k in keys) for p in W.SAFE_TO_CHANGE)
 
 
@@ -216,7 +218,7 @@ def run(finished, tmp_path):
     # unsafe changes: refused even with the opt-in
     (["--config.grpo.optim.lr=0.5", "--config.seed=7", "--config.grpo.sampling.num_samples=2",
       "--resume_with_changes"], "addition_grpo",
-     "grpo.optim.lr: 0.0003 -> 0.5; grpo.sampling.num_samples: 4 -> 2; seed: 0 -> 7. Use a new --workdir"),
+     "grpo.sampling.num_samples: 4 -> 2; seed: 0 -> 7. Use a new --workdir"),
     (["--config.model.hidden_size=64"], "addition_grpo", "model.hidden_size: 32 -> 64. Use a new --workdir"),
     (["--resume_with_changes"], "addition_dpo",
      "algorithm: 'grpo' -> 'dpo'; grpo: runs -> does not run; dpo: does not run -> runs"),
