@@ -497,7 +497,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
       donate: donate the state's buffers to the compiled program(s).
       prompt_buckets: prompts are left-padded to the smallest of these lengths that holds
         them (`rollout.buckets`; powers of two from 16 by default; None: never), so that
-        prompts of many lengths compile a handful of programs; `compiles` in the metrics
+        prompts of many lengths compile a handful of programs; `time/compiles` in the metrics
         counts the XLA compilations of each call (not reported when the iteration is
         traced inside the caller's own jit).
 
@@ -532,7 +532,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
                 return fused(state, *pad(prompt_ids, prompt_mask), arrays, _key(rng))
             with buckets.CompileCounter() as compiles:
                 state, metrics = fused(state, *pad(prompt_ids, prompt_mask), arrays, _key(rng))
-            return state, {**metrics, "compiles": compiles.count}
+            return state, {**metrics, "time/compiles": compiles.count}
 
         iteration.is_single_program = True
         iteration.compiled = (fused,)
@@ -552,7 +552,7 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
             host = scoring.host_scores(reward, out, extras, g, eos_id=cfg.sampling.eos_id)
             dt = time.perf_counter() - t0
             state, metrics = learn_jit(state, out, {**scores, **host}, rng)
-        return state, {**metrics, "time/host_reward_s": dt, "compiles": compiles.count}
+        return state, {**metrics, "time/host_reward_s": dt, "time/compiles": compiles.count}
 
     iteration.is_single_program = False
     iteration.compiled = (roll_jit, learn_jit)

@@ -7,7 +7,7 @@ changes a result: padded slots are masked out of attention and positions count r
 only (the model's padding-invariance tests).
 
 `CompileCounter` counts XLA compilations (JAX's `/jax/core/compile/backend_compile_duration`
-events) while it is open, so an iteration can report `compiles` in its metrics: 0 on every
+events) while it is open, so an iteration can report `time/compiles` in its metrics: 0 on every
 step after the first of each shape.
 """
 

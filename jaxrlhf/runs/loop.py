@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxrlhf.monitor import HealthMonitor, NonFiniteError
 from jaxrlhf.parallel import distributed
+from jaxrlhf.rollout.buckets import CompileCounter
 from jaxrlhf.runs.checkpointing import Checkpointer
 from jaxrlhf.runs.health import UpdateGuard
 from jaxrlhf.runs.metrics import MetricsWriter, to_python
@@ -219,9 +220,11 @@ def run_phase(
             for step in range(start, end):
                 t0 = time.perf_counter()
                 batch = batches.next_batch()
-                state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
-                metrics = to_python(distributed.gather(metrics))
+                with CompileCounter() as compiles:
+                    state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
+                    metrics = to_python(distributed.gather(metrics))
                 metrics["time/step_s"] = time.perf_counter() - t0
+                metrics["time/compiles"] = compiles.count  # XLA compilations of this step: 0 after the first
                 done = step + 1
                 if monitor is not None:
                     monitor.check(metrics, done)  # raises NonFiniteError before any save
