@@ -81,6 +81,15 @@ def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | Non
     return text
 
 
+def _starting_from(stops: dict, phase: str, evaluation: dict):
+    """`phase`'s stopping rule (or None), given the evaluation of its starting parameters —
+    the table's row just taken — so that `run_phase` does not evaluate them again."""
+    rule = stops.get(phase)
+    if rule is not None:
+        rule.start_evaluation = evaluation
+    return rule
+
+
 def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_with_changes: bool = False) -> dict:
     """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`).
 
@@ -122,12 +131,12 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
         if config.algorithm == "sft" or config.sft.steps > 0:
             rows.append(("start", accuracy(params)))
             params, _ = phases.sft_phase(config.sft, config.train, params=params, rng=jax.random.fold_in(rng, 1),
-                                         early_stop=stops.get("sft"), **common)
+                                         early_stop=_starting_from(stops, "sft", rows[-1][1]), **common)
         rl_start = "after SFT" if config.sft.steps > 0 else "start"
         if config.algorithm == "grpo":
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.grpo_phase(config.grpo, config.train, params=params, rng=jax.random.fold_in(rng, 2),
-                                          early_stop=stops.get("grpo"), **common)
+                                          early_stop=_starting_from(stops, "grpo", rows[-1][1]), **common)
         learned_reward = config.algorithm == "reward_model" or (
             config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
         rm = None
@@ -142,12 +151,14 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.ppo_phase(config.ppo, config.train, params=params,
-                                         reward_model_and_params=rm, early_stop=stops.get("ppo"),
+                                         reward_model_and_params=rm,
+                                         early_stop=_starting_from(stops, "ppo", rows[-1][1]),
                                          rng=jax.random.fold_in(rng, 4), **common)
         if config.algorithm == "dpo":
             rows.append((rl_start, accuracy(params)))
             params, extras["dpo_heldout_pairs"] = phases.dpo_phase(
-                config.dpo, config.train, params=params, rng=jax.random.fold_in(rng, 5), early_stop=stops.get("dpo"),
+                config.dpo, config.train, params=params, rng=jax.random.fold_in(rng, 5),
+                early_stop=_starting_from(stops, "dpo", rows[-1][1]),
                 **common)
         if config.algorithm != "reward_model":
             final, samples = accuracy(params, return_samples=config.train.show_samples)

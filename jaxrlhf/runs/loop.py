@@ -182,7 +182,8 @@ def run_phase(
     `early_stop` (a `stopping.EarlyStop`) reads each evaluation: the phase ends early, as a
     finished phase (final checkpoint saved, its meta's `stopped_early_at` keeps a rerun from
     re-running it), after `patience` evaluations without a new best. The starting state is
-    evaluated first (step 0) and is a candidate like the periodic ones. With `keep_best` the
+    evaluated first (step 0; `early_stop.start_evaluation` when the caller has it) and is a
+    candidate like the periodic ones. With `keep_best` the
     phase ends with the parameters of the best evaluation: `params_of(state)` (the trained
     policy's parameters, not the optimizer state) is copied on the device at each new best
     — one more copy of those parameters in device memory, with their shardings — saved as
@@ -207,8 +208,10 @@ def run_phase(
             writer.start_phase(phase.name, start)  # rows past the checkpoint go: the log of an uninterrupted run
         if early_stop is not None and start == 0 < end:
             # The starting point is a candidate too: with keep_best a phase that only makes the
-            # held-out metric worse ends where it began.
-            evaluation = to_python(eval_fn(state))
+            # held-out metric worse ends where it began. (The caller's own evaluation of these
+            # parameters, when it has one with the metric: not computed twice.)
+            seeded = early_stop.start_evaluation
+            evaluation = seeded if seeded and early_stop.metric in seeded else to_python(eval_fn(state))
             if early_stop.update(0, evaluation) and keep_best:
                 best = copy_params(params_of(state))
             log.info("%s: eval/%s at the start: %.4g", phase.name, early_stop.metric, evaluation[early_stop.metric])

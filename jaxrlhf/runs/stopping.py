@@ -34,7 +34,10 @@ class EarlyStop:
     `mode="max"`, lower for "min"); a tie is not, so the earlier step is kept. The phase
     stops after `patience` evaluations in a row without a new best (0: never; the best is
     still recorded). `keep_best`: the phase ends with the parameters of the best
-    evaluation (`loop.run_phase` keeps a device copy of them).
+    evaluation (`loop.run_phase` keeps a device copy of them). `start_evaluation`: the
+    evaluation of the phase's starting parameters when the caller already has it (the
+    summary table's row before the phase), which `run_phase` then takes as step 0's
+    instead of evaluating the same parameters again.
     """
 
     metric: str
@@ -46,6 +49,7 @@ class EarlyStop:
     best_step: int | None = None
     evals_since_best: int = 0
     stopped_at: int | None = None
+    start_evaluation: dict | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.metric:

@@ -7,7 +7,7 @@ that does not split over the devices fails in seconds with the key to change —
 an SFT phase has run (each phase used to check its own shapes when it started, and a
 negative `steps` ran nothing and reported success).
 
-Checked for every phase the run will execute (`phases_of`):
+Checked for every phase the run will execute (`stopping.run_phases`):
 - counts that must be positive (`steps` of the run's own phases, batch sizes,
   `sampling.num_samples`, minibatches, microbatches, ...) or non-negative (`sft.steps`,
   `train.eval_every`, ...);
@@ -24,6 +24,8 @@ to be positive.
 from __future__ import annotations
 
 from typing import Protocol
+
+from jaxrlhf.runs.stopping import run_phases
 
 
 class RowChecker(Protocol):
@@ -49,17 +51,6 @@ _MINIMUM = {
 _OPTIM_MINIMUM = {"lr": 0, "warmup_steps": 0, "decay_steps": 0}
 
 
-def phases_of(config) -> tuple[str, ...]:
-    """The phases `config` runs, in order (as `train_and_evaluate` runs them)."""
-    alg = config.algorithm
-    out = ["sft"] if alg == "sft" or config.sft.steps > 0 else []
-    if alg in ("reward_model", "ppo") and (alg == "reward_model" or config.ppo.get("reward", "model") == "model"):
-        out.append("reward_model")
-    if alg in ("grpo", "ppo", "dpo"):
-        out.append(alg)
-    return tuple(out)
-
-
 def _get(section, dotted: str):
     for part in dotted.split("."):
         section = section[part]
@@ -76,7 +67,7 @@ def check_values(config) -> None:
     """Every count of the phases `config` runs (and of `train`) within its range: a
     ValueError naming the first key that is not, e.g. `grpo.steps=-3`."""
     _check_minimum("sft.steps", config.sft.steps, 0)  # also when SFT does not run: -1 is not "skip"
-    run = phases_of(config)
+    run = run_phases(config)
     for section in (*run, "train"):
         for field, minimum in _MINIMUM[section].items():
             if section == "sft" and field == "steps" and config.algorithm == "sft":
@@ -109,7 +100,7 @@ def _split(rows: int, rows_name: str, parts: dict) -> None:
 def check_shapes(config, placement: RowChecker) -> None:
     """The batch rows of every phase `config` runs against the mesh's row shards and their
     minibatch / microbatch splits: a ValueError naming the key to change."""
-    for phase in phases_of(config):
+    for phase in run_phases(config):
         c = config[phase]
         if phase in ("sft", "dpo", "reward_model"):
             placement.check_rows(c.batch_size, f"{phase}.batch_size")
@@ -136,4 +127,4 @@ def check_config(config, placement: RowChecker) -> None:
     check_shapes(config, placement)
 
 
-__all__ = ["check_config", "check_shapes", "check_values", "phases_of"]
+__all__ = ["check_config", "check_shapes", "check_values"]

@@ -101,6 +101,15 @@ def test_stops_after_patience_and_keeps_the_best_params(tmp_path, keep_best):
     np.testing.assert_array_equal(saved.params["w"], state.params["w"])  # the final checkpoint holds the kept params
 
 
+def test_a_start_evaluation_the_caller_has_is_not_computed_again(tmp_path):
+    """train_and_evaluate hands the table's row before a phase to its rule: step 0 reads it."""
+    rule = _rule(patience=2)
+    rule.start_evaluation = {"accuracy": 0.7, "reward": 1.0}
+    state, seen = _run(tmp_path, early_stop=rule, accuracy={2: 0.6, 4: 0.5})
+    assert sorted(seen) == [2, 4] and rule.report()["best_step"] == 0 and rule.stopped_at == 4
+    np.testing.assert_array_equal(state.params["w"], np.zeros(3))
+
+
 def test_a_phase_that_only_hurts_ends_where_it_began(tmp_path):
     rule = _rule(patience=2)
     state, seen = _run(tmp_path, early_stop=rule, accuracy={0: 0.7, 2: 0.6, 4: 0.5})
