@@ -7,9 +7,10 @@ should default to.
 Each size is a Llama-shaped model with random float32 weights (only the shapes matter for
 speed), 16 or 64 prompts × 32 tokens, exactly 64 new tokens (no EOS), temperature 1. For
 each, `generate` runs with `cpu_threads=1` (one program) and with one row block per usable
-core (`cpu_threads=None` before the rule below); both must sample the same tokens. The
-table gives new tokens/s for both and the ratio, plus the model's weight bytes, which the
-default rule (`rollout.sampler.cpu_row_blocks`) reads. Writes benchmarks/results/row_blocks.json.
+core (`cpu_threads` = the core count, which bypasses the default's rule); both must sample
+the same tokens. The table gives new tokens/s for both and the ratio, the model's weight
+bytes, and the blocks the default (`cpu_threads=None`, `rollout.sampler.cpu_row_blocks`)
+picks for that model and batch. Writes benchmarks/results/row_blocks.json.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main():
 
     from jaxrlhf.models import ModelConfig, Transformer, init_params
     from jaxrlhf.rollout import generate
-    from jaxrlhf.rollout.sampler import _usable_cores
+    from jaxrlhf.rollout.sampler import _usable_cores, cpu_row_blocks
 
     cores = _usable_cores()
     rows = []
@@ -74,12 +75,14 @@ def main():
                 result[label] = (min(times), np.asarray(out.response_ids))
             np.testing.assert_array_equal(result["one program"][1], result["row blocks"][1])
             one, blocks = result["one program"][0], result["row blocks"][0]
-            row = dict(model=name, weight_mb=weight_bytes / 2**20, batch=b, cores=cores,
+            default = cpu_row_blocks(b, params, ids, weight_bytes=weight_bytes)
+            row = dict(model=name, weight_mb=weight_bytes / 2**20, batch=b, cores=cores, default_blocks=default,
                        one_program_tok_s=b * NEW_TOKENS / one, row_blocks_tok_s=b * NEW_TOKENS / blocks,
                        blocks_over_one=one / blocks)
             rows.append(row)
             print(f"{name:32s} {row['weight_mb']:7.0f} MB  B={b:3d}  one program {row['one_program_tok_s']:8.0f} "
-                  f"tok/s  {cores} row blocks {row['row_blocks_tok_s']:8.0f} tok/s  ratio {row['blocks_over_one']:.2f}",
+                  f"tok/s  {cores} row blocks {row['row_blocks_tok_s']:8.0f} tok/s  ratio {row['blocks_over_one']:.2f}  "
+                  f"default: {default} block(s)",
                   flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(rows=rows, jax=jax.__version__), indent=2))

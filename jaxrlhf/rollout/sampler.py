@@ -295,16 +295,33 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_row_blocks(prompts: int, *trees, cpu_threads: int | None = None) -> int:
+# The default splits only where each block decodes at least one row per this many bytes of
+# weights: every block reads all the weights at each decode step, so small blocks of a large
+# model are bound by memory bandwidth, not by the core they run on. Measured on 2 cores
+# (benchmarks/bench_row_blocks.py, docs/benchmarks.md): 2 blocks beat one program by
+# 1.12-1.66x at 12, 107 and 324 MiB of weights with 32 rows per block (and 12 MiB with 8),
+# and lost (0.80-0.96x) or tied at 107-621 MiB with 8 rows, and 621 MiB with 32.
+_WEIGHT_BYTES_PER_BLOCK_ROW = 12 * 2**20
+
+
+def cpu_row_blocks(prompts: int, *trees, cpu_threads: int | None = None, rows_per_prompt: int = 1,
+                   weight_bytes: int = 0) -> int:
     """How many concurrent row blocks `generate` splits its `prompts` into.
 
     More than one only when every array in `trees` is concrete and lives on one and the
     same CPU device (nothing sharded, nothing traced): the largest divisor of `prompts`
-    that is at most `cpu_threads` (None: the usable cores of this process).
+    that is at most `cpu_threads`. With `cpu_threads=None` (the default) at most the usable
+    cores of this process, and only as many blocks as leave each one at least one row
+    (`rows_per_prompt` per prompt) per 12 MiB of `weight_bytes`: below that, blocks of a
+    large model are slower than one program.
     """
     if cpu_threads is not None and cpu_threads < 1:
         raise ValueError(f"cpu_threads must be None or >= 1, got {cpu_threads}")
-    threads = _usable_cores() if cpu_threads is None else int(cpu_threads)
+    if cpu_threads is None:
+        rows = prompts * rows_per_prompt
+        threads = min(_usable_cores(), max(1, rows * _WEIGHT_BYTES_PER_BLOCK_ROW // max(int(weight_bytes), 1)))
+    else:
+        threads = int(cpu_threads)
     if threads == 1 or prompts < 2:
         return 1
     devices = set()
@@ -357,11 +374,14 @@ def generate(
         and transformers' `min_new_tokens`); the log-probs stay those of the model, as
         with top-k/top-p. 0: off.
       cpu_threads: on a CPU device, run the prompts as up to this many row blocks at once,
-        one thread each (None: one per usable core; 1: a single program). XLA:CPU runs a
-        decode step's small ops on one core, so one program leaves the other cores idle;
-        the blocks draw the same tokens as one program (`sample`'s `first_row`) and the
-        call returns once all are done. Sharded, traced or accelerator inputs always run
-        as one program.
+        one thread each (1: a single program). XLA:CPU runs a decode step's small ops on
+        one core, so one program leaves the other cores idle; but each block reads all the
+        weights at every step, so for a large model small blocks are slower than one
+        program. None (the default): one block per usable core, only where each block
+        keeps at least one row per 12 MiB of weights (`cpu_row_blocks`; measured in
+        `benchmarks/bench_row_blocks.py`). The blocks draw the same tokens as one program
+        (`sample`'s `first_row`) and the call returns once all are done. Sharded, traced or
+        accelerator inputs always run as one program.
 
     Returns: `SampleOutput` with leading axis `B·num_samples`.
     """
@@ -371,7 +391,9 @@ def generate(
                    top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), num_samples=int(num_samples),
                    max_len=max_len, min_new_tokens=int(min_new_tokens))
     b = prompt_ids.shape[0]
-    blocks = cpu_row_blocks(b, params, prompt_ids, prompt_mask, rng, cpu_threads=cpu_threads)
+    weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
+    blocks = cpu_row_blocks(b, params, prompt_ids, prompt_mask, rng, cpu_threads=cpu_threads,
+                            rows_per_prompt=int(num_samples), weight_bytes=weight_bytes)
     if blocks == 1:
         return fn(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng)
     rows = b // blocks

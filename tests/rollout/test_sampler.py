@@ -244,6 +244,18 @@ def test_cpu_row_blocks_divide_the_batch_and_stay_whole_when_traced():
         sampler.cpu_row_blocks(6, PARAMS, cpu_threads=0)
 
 
+def test_the_default_splits_only_where_blocks_keep_one_row_per_12_mib_of_weights(monkeypatch):
+    monkeypatch.setattr(sampler, "_usable_cores", lambda: 2)
+    mib = 2**20
+    small, large = 12 * mib, 621 * mib  # the workload model; SmolLM2-135M in float32
+    assert sampler.cpu_row_blocks(16, PARAMS, weight_bytes=small) == 2
+    assert sampler.cpu_row_blocks(16, PARAMS, weight_bytes=large) == 1  # 8 rows a block: slower, measured
+    assert sampler.cpu_row_blocks(4, PARAMS, rows_per_prompt=4, weight_bytes=large) == 1
+    assert sampler.cpu_row_blocks(64, PARAMS, weight_bytes=324 * mib) == 2  # 32 rows a block: faster
+    assert sampler.cpu_row_blocks(64, PARAMS, weight_bytes=large) == 1
+    assert sampler.cpu_row_blocks(16, PARAMS, cpu_threads=2, weight_bytes=large) == 2  # an explicit choice stands
+
+
 def test_noise_chunk_size_never_changes_a_sample(monkeypatch):
     ids, mask = _prompts(np.random.default_rng(13), 3, 5)
     kw = dict(max_new_tokens=7, temperature=1.3, top_k=20)
