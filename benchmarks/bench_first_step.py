@@ -20,6 +20,8 @@ RSS (`VmHWM` of /proc/self/status at the end of the worker) is that framework's 
   program (`grpo.make_iteration`, state donated). "load" is `load_pretrained` + the copy;
   "first step" the first iteration call until `jax.block_until_ready` on its metrics
   (tracing + compilation + run); "later step" the median of `--steps` further calls.
+  `--grpo-option key=value` sets a `GRPOConfig` field, e.g. `share_prompt=false`: each row
+  runs its own prompt in the scoring and training passes, as TRL does (like for like).
 - TRL: `GRPOTrainer(model=<ckpt folder>)` (it loads the policy, the reference and the
   tokenizer; float32), `per_device_train_batch_size=16`, `num_generations=4`,
   `max_completion_length=64`, `generation_kwargs={"min_new_tokens": 64}`, `bf16=False`,
@@ -99,7 +101,7 @@ def parse_options(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--jax-option {pair!r}: expected key=value")
+            raise ValueError(f"option {pair!r}: expected key=value")
         low = value.strip().lower()
         if low in ("true", "false"):
             out[key] = low == "true"
@@ -142,7 +144,7 @@ def make_checkpoint(out_dir: str, gguf_path: str, overwrite: bool = False) -> di
 # --------------------------------------------------------------------------- jaxrlhf worker
 
 
-def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
+def worker_jax(ckpt: str, steps: int, options: dict, grpo_options: dict | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -175,7 +177,7 @@ def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
         sampling=SamplingConfig(max_new_tokens=T_NEW, temperature=1.0, top_k=0, top_p=1.0, eos_id=None, pad_id=pad,
                                 num_samples=G),
         advantage="grpo", adv_eps=ADV_EPS, beta=BETA, kl_estimator="k3", clip_low=CLIP, agg="token-mean",
-        num_iterations=1)
+        num_iterations=1, **(grpo_options or {}))
 
     reward = _common.token_fraction_reward(target, name="frac_the")
     # prompt_buckets=None: the prompts keep the length the peers run them at.
@@ -202,7 +204,7 @@ def worker_jax(ckpt: str, steps: int, options: dict) -> dict:
         progress("step", step=i + 2, step_s=round(later[-1], 2))
     first = jax.device_get(first)
     return dict(
-        side="jaxrlhf", options=options, load_s=load_s, first_step_s=first_s, later_step_times=later,
+        side="jaxrlhf", options={**options, **(grpo_options or {})}, load_s=load_s, first_step_s=first_s, later_step_times=later,
         later_step_median_s=statistics.median(later) if later else None, to_first_step_s=to_first_s,
         params=count_params(box["state"].policy.params), model_config={
             k: getattr(model.config, k) for k in ("num_layers", "hidden_size", "vocab_size", "remat", "attention",
@@ -303,7 +305,7 @@ def worker_trl(ckpt: str, steps: int) -> dict:
 def _worker_main(args) -> None:
     with _common.CpuWatch() as watch:
         if args.worker == "jax":
-            out = worker_jax(args.ckpt, args.steps, parse_options(args.jax_option))
+            out = worker_jax(args.ckpt, args.steps, parse_options(args.jax_option), parse_options(args.grpo_option))
         else:
             out = worker_trl(args.ckpt, args.steps)
     out.update(peak_rss_gib=vm_hwm_gib(), cpu_watch=watch.result(detail=True), pid=os.getpid())
@@ -317,8 +319,9 @@ def _spawn(side: str, args) -> dict:
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--ckpt", args.ckpt,
            "--steps", str(args.steps)]
-    for opt in args.jax_option if side == "jax" else ():
-        cmd += ["--jax-option", opt]
+    for flag in ("jax_option", "grpo_option"):
+        for opt in getattr(args, flag) if side == "jax" else ():
+            cmd += ["--" + flag.replace("_", "-"), opt]
     t0 = time.perf_counter()
     with _common.CpuWatch() as watch:
         try:
@@ -391,6 +394,9 @@ def main(argv=None):
     ap.add_argument("--side", choices=("both", "jax", "trl"), default="both")
     ap.add_argument("--jax-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a load_pretrained model option (repeatable; true/false/null and ints are parsed)")
+    ap.add_argument("--grpo-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a GRPOConfig field for the jaxrlhf side, e.g. share_prompt=false (each row runs its own "
+                         "prompt, as TRL does: the like-for-like comparison)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds each worker may run")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--make-checkpoint", default=None, metavar="DIR", help="write the checkpoint folder and exit")
@@ -401,7 +407,7 @@ def main(argv=None):
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     try:
-        parse_options(args.jax_option)  # malformed flags fail here, not in the worker
+        parse_options(args.jax_option), parse_options(args.grpo_option)  # malformed flags fail here
     except ValueError as e:
         ap.error(str(e))
     if args.make_checkpoint:
