@@ -11,31 +11,20 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from jaxrlhf import data
-from jaxrlhf.algorithms import common
-from jaxrlhf.monitor import NonFiniteError
-from jaxrlhf.runs.checkpointing import CheckpointError, Checkpointer
-from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, run_phase
-from jaxrlhf.runs.metrics import MetricsWriter
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _toy_phase import ARRAYS, TX, toy_step  # noqa: E402
+
+from jaxrlhf import data  # noqa: E402
+from jaxrlhf.algorithms import common  # noqa: E402
+from jaxrlhf.monitor import NonFiniteError  # noqa: E402
+from jaxrlhf.runs.checkpointing import CheckpointError, Checkpointer  # noqa: E402
+from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, run_phase  # noqa: E402
+from jaxrlhf.runs.metrics import MetricsWriter  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-TX = optax.adam(0.1)
-ARRAYS = {"x": np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)}
-
-
-@jax.jit
-def _step(state, batch, rng):
-    """A regression step whose trajectory depends on the data order and the RNG."""
-    noise = jax.random.normal(rng, (3,)) * 0.01
-
-    def loss_fn(p):
-        return jnp.mean((batch["x"] @ p["w"] - 1.0) ** 2) + jnp.sum(noise * p["w"])
-
-    loss, g = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(g, TX), {"loss": loss}
+_step = jax.jit(toy_step)
 
 
 def _run(workdir, num_steps=6, should_stop=None, step_fn=_step):

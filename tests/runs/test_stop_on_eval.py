@@ -7,40 +7,32 @@ phase ends with against the ones each evaluation saw.
 
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from jaxrlhf import data
-from jaxrlhf.algorithms import common
-from jaxrlhf.runs import stopping, train_and_evaluate
-from jaxrlhf.runs.checkpointing import Checkpointer
-from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, run_phase
-from jaxrlhf.runs.metrics import MetricsWriter
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _toy_phase import ARRAYS, TX, toy_step  # noqa: E402
+
+from jaxrlhf import data  # noqa: E402
+from jaxrlhf.algorithms import common  # noqa: E402
+from jaxrlhf.runs import stopping, train_and_evaluate  # noqa: E402
+from jaxrlhf.runs.checkpointing import Checkpointer  # noqa: E402
+from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, run_phase  # noqa: E402
+from jaxrlhf.runs.metrics import MetricsWriter  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-TX = optax.adam(0.1)
-ARRAYS = {"x": np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)}
 # eval/accuracy of the starting state (0) and at each evaluation step (eval_every=2): best
 # at 4, then two worse ones.
 ACCURACY = {0: 0.1, 2: 0.2, 4: 0.6, 6: 0.5, 8: 0.4, 10: 0.9, 12: 0.9}
 
 
-def _step_impl(state, batch, rng):
-    noise = jax.random.normal(rng, (3,)) * 0.01
-
-    def loss_fn(p):
-        return jnp.mean((batch["x"] @ p["w"] - 1.0) ** 2) + jnp.sum(noise * p["w"])
-
-    loss, g = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(g, TX), {"loss": loss}
-
-
-_step = jax.jit(_step_impl, donate_argnums=0)  # donated like the phases' steps: the best copy must survive it
+_step = jax.jit(toy_step, donate_argnums=0)  # donated like the phases' steps: the best copy must survive it
 
 
 def _run(workdir, *, early_stop=None, num_steps=12, should_stop=None, calls=None, seen=None, accuracy=ACCURACY):
