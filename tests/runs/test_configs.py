@@ -170,6 +170,7 @@ def test_rl_schedules_count_optimizer_steps(tmp_path):
     config.unlock()
     config.ppo.update(steps=3, num_ppo_epochs=2, num_minibatches=1)
     config.ppo.optim.update(lr=1e-3, schedule="linear", warmup_steps=0)
+    config.sft.steps = 0  # PPO's schedule alone is the point
     config.train.update(eval_every=0, export=False)
     train_and_evaluate(config, tmp_path)
     lrs = [r["ppo/lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
