@@ -8,7 +8,9 @@ policy still making mistakes, then GRPO (64 prompts x 8 samples per step, reward
 match + 0.5 x fraction of correct answer tokens, lr 3e-4 with 10 warm-up steps and a
 cosine decay) raises held-out exact match. Measured 2026-12-02 for seeds 0 / 1 / 2
 (`--config.seed`): 0.764 -> 0.858, 0.804 -> 0.878, 0.598 -> 0.816 (+9.4, +7.4, +21.8
-points; 101-168 s each on 2 cores shared with other work). The first evaluations dip
+points; 101-168 s each on 2 cores shared with other work). On another 2-core machine the
+same code (commits 5cb1cb3 and the current one alike) gives seed 0 0.794 -> 0.852 (+5.8):
+the SFT end point moves with the CPU's float rounding. The first evaluations dip
 below the SFT point (by up to 8 points at step 25-75) while the rate is high, then climb;
 the constant lr 1e-4 this config had before stays above it throughout but ends lower
 (0.834, 0.844, 0.776). The SFT learning rate is 1e-3: at 3e-3 the SFT end point was bimodal
