@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxrlhf.models.attention import IMPLEMENTATIONS
+from jaxrlhf.models.lora import LoraConfig
 
 # model_type -> the switches that distinguish the family.
 _FAMILIES = {
@@ -71,7 +72,8 @@ class ModelConfig:
     axis "layers"), so compile time does not grow with depth; False (the default) unrolls
     `layers_0 .. layers_{n-1}`, which decodes faster on CPU.
     `logprobs_head` how training and scoring passes take log-probs from the LM head
-    (`LOGPROBS_HEADS`).
+    (`LOGPROBS_HEADS`). `lora` puts low-rank adapters on the projections it targets
+    (`jaxrlhf.models.lora`; params without adapters still run, as the base model).
     """
 
     vocab_size: int
@@ -101,6 +103,7 @@ class ModelConfig:
     attention: str = "auto"  # a name in `jaxrlhf.models.attention.IMPLEMENTATIONS`
     cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
     logprobs_head: str = "auto"  # a name in LOGPROBS_HEADS
+    lora: LoraConfig | None = None  # adapters on the projections it targets (`jaxrlhf.models.lora`)
 
     def __post_init__(self):
         if isinstance(self.remat, (bool, np.bool_)):

@@ -26,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import attention
+from jaxrlhf.models import lora as lora_lib
 from jaxrlhf.models.attention import AttentionMask
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig
+from jaxrlhf.models.lora import LoraConfig
 
 HEADS = ("lm", "score", "lm_value")
 
@@ -159,6 +161,7 @@ class Projection(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     n_out: int | None = None  # number of output axes; default: all but the first
+    lora: LoraConfig | None = None  # this projection's adapter, when the model's LoRA targets it
 
     @nn.compact
     def __call__(self, x):
@@ -170,13 +173,29 @@ class Projection(nn.Module):
             raise ValueError(f"{self.name}: input trailing shape {x.shape[-n_in:]} != kernel {in_shape}")
         lead = x.shape[:-n_in]
         k = int(np.prod(in_shape))
-        y = _rows_matmul(x.astype(self.dtype).reshape(*lead, k), w.astype(self.dtype).reshape(k, -1))
+        x_NxK = x.astype(self.dtype).reshape(*lead, k)
+        y = _rows_matmul(x_NxK, w.astype(self.dtype).reshape(k, -1))
+        # LoRA (`models.lora`): + s·(x A) B, only where the params hold the adapter (the
+        # same params without it are the base model). B = 0 adds exactly 0.
+        if self.lora is not None and (self.is_initializing() or self.has_variable("params", "lora_a")):
+            r = self.lora.rank
+            a = self.param("lora_a", nn.with_logical_partitioning(lora_lib.init_a, self.axes[:n_in] + (None,)),
+                           (*in_shape, r), jnp.float32)
+            b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, (None,) + self.axes[n_in:]),
+                           (r, *out_shape), jnp.float32)
+            x_NxR = _rows_matmul(x_NxK, a.astype(self.dtype).reshape(k, r))
+            y = y + self.lora.scale * _rows_matmul(x_NxR, b.astype(self.dtype).reshape(r, -1))
         y = y.reshape(*lead, *out_shape)
         if self.bias_axes is not None:
             b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
                            self.shape[-len(self.bias_axes):], self.param_dtype)
             y = y + b.astype(self.dtype)
         return y
+
+
+def _adapter(config: ModelConfig, path: str) -> LoraConfig | None:
+    """The projection at `path` ("self_attn/q_proj", "lm_head")'s adapter config, if any."""
+    return config.lora if config.lora is not None and config.lora.adapts(path) else None
 
 
 def _rotate(x_BxLxNxH, cos_BxLxH, sin_BxLxH):
@@ -198,7 +217,8 @@ class Attention(nn.Module):
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         tail = slice(None) if queries is None else slice(-queries, None)
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
-        proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out, name=name)
+        proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out,
+                                                                      _adapter(c, f"self_attn/{name}"), name=name)
         q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD[:, tail])
         key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
@@ -238,9 +258,11 @@ class MLP(nn.Module):
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         d, f = c.hidden_size, c.intermediate_size
         bias = lambda ax: (ax,) if c.mlp_bias else None
-        gate = Projection((d, f), ("embed", "mlp"), bias("mlp"), dt, pdt, name="gate_proj")(x_BxLxD)
-        up = Projection((d, f), ("embed", "mlp"), bias("mlp"), dt, pdt, name="up_proj")(x_BxLxD)
-        return Projection((f, d), ("mlp", "embed"), bias("embed"), dt, pdt, name="down_proj")(jax.nn.silu(gate) * up)
+        proj = lambda name, shape, axes, b: Projection(shape, axes, b, dt, pdt, lora=_adapter(c, f"mlp/{name}"),
+                                                       name=name)
+        gate = proj("gate_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
+        up = proj("up_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
+        return proj("down_proj", (f, d), ("mlp", "embed"), bias("embed"))(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -341,7 +363,11 @@ class Transformer(nn.Module):
                          name="embed_tokens")
         x = embed(input_ids_BxL)
         if c.scan_layers:
-            layers = self.param("layers", _init_stacked_layers, c)
+            # Params without adapters are the base model (the reference): their shapes are
+            # checked against a stack without them.
+            plain = c.lora is not None and not self.is_initializing() and not lora_lib.has_adapters(
+                self.get_variable("params", "layers"))
+            layers = self.param("layers", _init_stacked_layers, c.replace(lora=None) if plain else c)
             x, new_cache = scan_layers(c, layers, x, cos, sin, attn_mask, cache, cache_index,
                                        last_position_only=last_position_only)
         else:
@@ -375,8 +401,8 @@ class Transformer(nn.Module):
         if c.tie_word_embeddings:
             dt = jnp.dtype(c.dtype)  # `embed.attend`, with the rows flattened
             return _rows_matmul(hidden_BxLxD.astype(dt), embed.embedding.astype(dt).T)
-        return Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None,
-                      jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name="lm_head")(hidden_BxLxD)
+        return Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None, jnp.dtype(c.dtype),
+                          jnp.dtype(c.param_dtype), lora=_adapter(c, lora_lib.LM_HEAD), name="lm_head")(hidden_BxLxD)
 
 
 def _init_stacked_layers(rng: jax.Array, config: ModelConfig):
@@ -487,11 +513,15 @@ def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.
 
 def lm_head_weight(config: ModelConfig, params) -> jax.Array:
     """The LM head as `w [D, V]` in the compute dtype: `embedding.T` when tied, else the
-    `lm_head` kernel (what `project_logits` multiplies by)."""
+    `lm_head` kernel, with its LoRA adapter folded in when it has one (what
+    `project_logits` multiplies by)."""
     dt = jnp.dtype(config.dtype)
     if config.tie_word_embeddings:
         return params["embed_tokens"]["embedding"].astype(dt).T
-    return params["lm_head"]["kernel"].astype(dt)
+    head = params["lm_head"]
+    if "lora_a" in head:  # an adapted head: W + s A B (the same numbers as its Projection, up to rounding)
+        return (head["kernel"].astype(jnp.float32) + lora_lib.delta_weight(head, config.lora.scale)).astype(dt)
+    return head["kernel"].astype(dt)
 
 
 def init_params(model: Transformer, rng: jax.Array, *, seq_len: int = 8):

@@ -1,0 +1,283 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the decoder's projections, functionally.
+
+A targeted `transformer.Projection` computes `y = x W + s · (x A) B` with `A [in..., r]`
+and `B [r, out...]` two more parameters beside its kernel (`lora_a`, `lora_b`, float32
+whatever the kernel's dtype), `s = alpha / r` (rsLoRA: `alpha / sqrt(r)`). `B` starts at 0,
+so a fresh adapter leaves the model exactly as it was. A projection computes the adapter
+term only where its params hold `lora_a`: the same params with the adapters dropped
+(`without_adapters`, no copy of any array) are the base model — the reference policy of
+GRPO and DPO.
+
+Training only the adapters is a partition of the one params pytree: `trainable(params)`
+(the adapter leaves, or all of them when there are none) is what the optimizer and the
+gradient see, `with_trainable(params, new)` puts updated adapters back
+(`algorithms.common.TrainState`, `accumulate_gradients`). The base is an argument the
+gradient is never taken for: no base-sized gradient nor optimizer state exists.
+
+Adapters carry their kernel's logical axes (`A`: the kernel's input axes, `B`: its output
+axes; the rank axis unsharded), so the sharding rules place them like their kernel.
+
+Targets are regexes searched in each projection's path inside a layer
+("self_attn/q_proj", "mlp/down_proj") or "lm_head" (an untied LM head); every layer of
+the stack gets the same adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import numpy as np
+
+PyTree = Any
+
+# Every projection an adapter can sit on: its path inside a layer (or the model, for the LM head).
+PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
+               "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
+LM_HEAD = "lm_head"
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_KEYS = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Which projections get adapters and how they are scaled.
+
+    rank: r > 0, the inner dimension of `A [in, r]` and `B [r, out]`.
+    alpha: the scale's numerator: `s = alpha / r`, or `alpha / sqrt(r)` with `rslora`
+      (Kalajdzievski 2023: keeps the update's size independent of r).
+    targets: regexes, each searched in the projection paths of `PROJECTIONS` (and
+      "lm_head" when the head is not tied); each must match at least one
+      (`check_targets`).
+    """
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    rslora: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", parse_targets(self.targets))
+        if not isinstance(self.rank, (int, np.integer)) or self.rank <= 0:
+            raise ValueError(f"model.lora.rank={self.rank!r}: the adapters' rank must be an integer > 0 "
+                             "(rank 0 in a run config turns LoRA off)")
+        if not self.targets:
+            raise ValueError("model.lora.targets is empty: name the projections to adapt, e.g. 'q_proj,v_proj'")
+        for t in self.targets:
+            try:
+                re.compile(t)
+            except re.error as e:
+                raise ValueError(f"model.lora.targets: {t!r} is not a regular expression ({e})") from None
+
+    @property
+    def scale(self) -> float:
+        """`s` of `y = x W + s · (x A) B`."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def adapts(self, path: str) -> bool:
+        """Whether the projection at `path` ("self_attn/q_proj", "lm_head") gets an adapter."""
+        return any(re.search(t, path) for t in self.targets)
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """"q_proj, v_proj" -> ("q_proj", "v_proj"): the comma-separated form of the config."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def candidates(config) -> tuple[str, ...]:
+    """The paths a target can match on a model of `config` (a `ModelConfig`)."""
+    return PROJECTIONS + (() if config.tie_word_embeddings else (LM_HEAD,))
+
+
+def check_targets(config) -> None:
+    """A clear error naming `model.lora.targets` when one of its patterns matches no
+    projection of the model (or asks for the LM head of a model that ties it)."""
+    lora = config.lora
+    paths = candidates(config)
+    for t in lora.targets:
+        if any(re.search(t, p) for p in paths):
+            continue
+        if re.search(t, LM_HEAD) and config.tie_word_embeddings:
+            raise ValueError(f"model.lora.targets: {t!r} asks for the LM head, but this model ties it to the "
+                             "input embeddings (tie_word_embeddings): there is no lm_head to adapt; drop it")
+        raise ValueError(f"model.lora.targets: {t!r} matches no projection; the candidates are {list(paths)}")
+
+
+def from_section(section) -> LoraConfig | None:
+    """`config.model.lora` (rank, alpha, targets, rslora) -> a `LoraConfig`, or None for rank 0."""
+    if section.rank == 0:
+        return None
+    return LoraConfig(rank=section.rank, alpha=float(section.alpha), targets=parse_targets(section.targets),
+                      rslora=bool(section.rslora))
+
+
+# ----------------------------------------------------------------------------- params partition
+
+
+def _is_adapter_path(path) -> bool:
+    return bool(path) and getattr(path[-1], "key", None) in ADAPTER_KEYS
+
+
+def has_adapters(params: PyTree) -> bool:
+    """Whether `params` holds any adapter (a static fact of the tree's structure)."""
+    return any(_is_adapter_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def _filter(params: Mapping, keep) -> dict:
+    """The nested dicts of `params` with only the leaves `keep(key)` accepts (empty dicts dropped)."""
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, Mapping):
+            sub = _filter(v, keep)
+            if sub:
+                out[k] = sub
+        elif keep(k):
+            out[k] = v
+    return out
+
+
+def adapters(params: PyTree) -> dict:
+    """Only the adapter leaves of `params`, in their nested dicts."""
+    return _filter(params, lambda k: k in ADAPTER_KEYS)
+
+
+def without_adapters(params: PyTree) -> dict:
+    """`params` with every adapter dropped: the base model, sharing its arrays (no copy)."""
+    return _filter(params, lambda k: k not in ADAPTER_KEYS)
+
+
+def trainable(params: PyTree) -> PyTree:
+    """What training updates: the adapters when `params` has any, else all of `params`."""
+    return adapters(params) if has_adapters(params) else params
+
+
+def with_trainable(params: PyTree, new: PyTree) -> PyTree:
+    """`params` with `trainable(params)` replaced by `new` (the inverse of `trainable`)."""
+    return _merge_trees(params, new) if has_adapters(params) else new
+
+
+# ----------------------------------------------------------------------------- init and merge
+
+
+def add_adapters(model, params: PyTree, rng: jax.Array) -> PyTree:
+    """`params` of the base model with fresh adapters added where `model.config.lora` says.
+
+    `model` is a `Transformer` whose config has `lora`; `params` its params without
+    adapters (a loaded checkpoint, a fresh init). `A` is drawn as in PEFT (Kaiming-uniform,
+    bound `1/sqrt(fan_in)`), `B = 0`. Only the adapters are computed: the base params of
+    `model.init` are dead code in the jit (no second copy of the model is made).
+    """
+    check_targets(model.config)
+    if has_adapters(params):
+        raise ValueError("add_adapters: the params already hold adapters")
+    fresh = jax.jit(lambda key: adapters(nn.unbox(model.init(key, jnp.zeros((1, 2), jnp.int32))["params"])))(rng)
+    return _merge_trees(params, fresh)
+
+
+def _merge_trees(base: Mapping, extra: Mapping) -> dict:
+    """`base` with the leaves of `extra` put in at their paths (nested dicts copied, arrays not)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge_trees(base.get(k, {}), v) if isinstance(v, Mapping) else v
+    return out
+
+
+def init_a(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+    """`A [in..., r]`: uniform in ±1/sqrt(fan_in), fan_in the input size (PEFT's
+    `kaiming_uniform_(a=√5)` on `lora_A`); one layer's shape (a scanned stack draws each
+    layer's separately)."""
+    fan_in = int(np.prod(shape[:-1]))
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _adapted_kernels(params: Mapping, prefix=()):
+    """`(path, node)` of every dict in `params` that holds `lora_a` (a `Projection`'s params)."""
+    for k, v in params.items():
+        if isinstance(v, Mapping):
+            if "lora_a" in v:
+                yield prefix + (k,), v
+            else:
+                yield from _adapted_kernels(v, prefix + (k,))
+
+
+def delta_weight(node: Mapping, scale: float) -> jax.Array:
+    """`s · A B` shaped like the kernel of the projection whose params are `node`, float32.
+
+    Works for a scanned stack too: with a leading `[num_layers]` axis on all three
+    (the kernel's input axes are `A`'s but its last).
+    """
+    a, b, w = node["lora_a"], node["lora_b"], node["kernel"]
+    lead = a.ndim + b.ndim - 2 - w.ndim  # 1 for a scanned stack's leading layer axis, else 0
+    r = a.shape[-1]
+    k = int(np.prod(a.shape[lead:-1]))
+    a2 = jnp.asarray(a, jnp.float32).reshape(*a.shape[:lead], k, r)
+    b2 = jnp.asarray(b, jnp.float32).reshape(*b.shape[:lead], r, -1)
+    return (scale * (a2 @ b2)).reshape(w.shape)
+
+
+def merge(config, params: PyTree) -> dict:
+    """The base params with every adapter folded into its kernel (`W + s A B`, in the
+    kernel's dtype) and the adapters dropped: what a Hugging Face export holds. The model
+    of the merged params is the same one without `lora` (`config.replace(lora=None)`)."""
+    scale = config.lora.scale
+    out = without_adapters(params)
+    for path, node in _adapted_kernels(params):
+        target = out
+        for k in path[:-1]:
+            target = target[k]
+        w = node["kernel"]
+        target[path[-1]] = dict(target[path[-1]], kernel=(jnp.asarray(w, jnp.float32) + delta_weight(node, scale))
+                                .astype(w.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------- PEFT export
+
+
+def peft_tensors(config, params: PyTree) -> dict[str, np.ndarray]:
+    """The adapters under PEFT's names for a `*ForCausalLM` base:
+    `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` `[r, in]` and
+    `...lora_B.weight` `[out, r]` (`base_model.model.lm_head.lora_*` for the head), float32
+    numpy arrays. A scanned stack is written per layer."""
+    from jaxrlhf.models.transformer import unstack_layers
+
+    host = jax.tree.map(np.asarray, adapters(params))
+    if "layers" in host:
+        host = unstack_layers(host)
+    out = {}
+    for path, node in _adapted_kernels(host):
+        a, b = node["lora_a"], node["lora_b"]
+        r = a.shape[-1]
+        name = ".".join(p.replace("layers_", "layers.") for p in path)
+        name = f"base_model.model.{name}" if path == (LM_HEAD,) else f"base_model.model.model.{name}"
+        out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T.astype(np.float32))
+        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T.astype(np.float32))
+    return out
+
+
+def save_peft(config, params: PyTree, path: str | Path, *, base_model_name_or_path: str = "") -> Path:
+    """A PEFT adapter folder: `adapter_config.json` + `adapter_model.safetensors`, which
+    `peft.PeftModel.from_pretrained(base, path)` loads onto the base model's HF export."""
+    from safetensors.numpy import save_file
+
+    lora = config.lora
+    tensors = peft_tensors(config, params)
+    modules = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+           "use_rslora": lora.rslora, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+           "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+           "base_model_name_or_path": base_model_name_or_path}
+    (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return path
