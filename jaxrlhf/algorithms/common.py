@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import ops
+from jaxrlhf.models import lora
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.transformer import Transformer, init_cache, lm_head_weight, project_logits
 
@@ -22,7 +23,12 @@ PyTree = Any
 
 @flax.struct.dataclass
 class TrainState:
-    """A trained model's parameters and optimizer state, plus the global step."""
+    """A trained model's parameters and optimizer state, plus the global step.
+
+    With LoRA adapters in `params` (`models.lora`) only they are trained: the optimizer
+    state covers `lora.trainable(params)`, gradients are shaped like it, and the base
+    params pass through every update unchanged.
+    """
 
     step: jax.Array
     params: PyTree
@@ -30,12 +36,14 @@ class TrainState:
 
     @classmethod
     def create(cls, params, tx: optax.GradientTransformation) -> "TrainState":
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(lora.trainable(params)))
 
     def apply_gradients(self, grads, tx: optax.GradientTransformation) -> "TrainState":
-        updates, opt_state = tx.update(grads, self.opt_state, self.params)
-        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
-                            opt_state=opt_state)
+        """One optimizer step; `grads` are shaped like `lora.trainable(self.params)`."""
+        trained = lora.trainable(self.params)
+        updates, opt_state = tx.update(grads, self.opt_state, trained)
+        params = lora.with_trainable(self.params, optax.apply_updates(trained, updates))
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,9 +274,16 @@ def accumulate_gradients(
     are averaged over micro-batches, except extremes (`metric_reduction`): `*_max` are
     maxed and `*_min` minimised, so they equal the full batch's.
 
+    With LoRA adapters in `params` the gradient is taken for them alone (the base params
+    are a constant of the differentiated function: no base-sized gradient is formed), and
+    `grads` is shaped like `lora.trainable(params)`.
+
     Returns: `(loss, metrics, grads)`.
     """
+    full_params, full_loss = params, loss_fn
+    loss_fn = lambda trained, mb, index: full_loss(lora.with_trainable(full_params, trained), mb, index)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    params = lora.trainable(full_params)
     if num_microbatches == 1:
         (loss, metrics), grads = grad_fn(params, batch, jnp.int32(0))
         return loss, metrics, grads

@@ -44,6 +44,7 @@ from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import common, scoring
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
+from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.rollout import buckets
 from jaxrlhf.rollout.sampler import SampleOutput
@@ -235,8 +236,19 @@ class GRPOState:
     step: jax.Array
 
 
+def reference_params(state: GRPOState) -> PyTree:
+    """The reference policy's params: `state.ref_params`, or when there are none and the
+    policy has LoRA adapters, the policy's base params without them (`lora.without_adapters`:
+    the same arrays, no copy). None when there is no reference."""
+    if state.ref_params is None and lora.has_adapters(state.policy.params):
+        return lora.without_adapters(state.policy.params)
+    return state.ref_params
+
+
 def init_state(params, tx: optax.GradientTransformation, ref_params=None) -> GRPOState:
-    """The state of a run; pass `ref_params` (usually the starting params) when β > 0.
+    """The state of a run; pass `ref_params` (usually the starting params) when β > 0, or
+    none when `params` hold LoRA adapters: the reference is then the base without them
+    (`reference_params`).
 
     The policy holds `params` themselves; the reference gets buffers of its own: each leaf
     of `ref_params` that is also a leaf of `params` (`ref_params=params`, or a tree that
@@ -437,9 +449,9 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
     `update`. `scores` holds every component of `reward`, `[N]` each."""
     g = cfg.group_size
     n_pool = out.response_ids.shape[0]
-    if cfg.uses_reference and state.ref_params is None:
+    if cfg.uses_reference and reference_params(state) is None:
         raise ValueError(f"GRPO with beta={cfg.beta}, track_kl={cfg.track_kl} needs a reference model: "
-                         "init_state(params, tx, ref_params=...)")
+                         "init_state(params, tx, ref_params=...), or LoRA adapters on the policy")
     total = reward.total(scores)
     lengths = out.response_mask.sum(axis=1)
     metrics = dict(reward.metrics(scores))
@@ -473,7 +485,7 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
     score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
                               prompt_len=p, temperature=temp, group_size=cfg.prompt_group(n))
     old_logp = None if cfg.reuses_rollout_logp else score(state.policy.params)
-    ref_logp = score(state.ref_params) if cfg.uses_reference else None
+    ref_logp = score(reference_params(state)) if cfg.uses_reference else None
     batch = Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs)
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(state.policy.step), jnp.float32)

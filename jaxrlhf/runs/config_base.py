@@ -50,12 +50,25 @@ def word_problems_task(**kw) -> mlc.ConfigDict:
 
 
 def model(**kw) -> mlc.ConfigDict:
-    """A fresh model of these sizes, or `path=` a local Hugging Face checkpoint folder."""
+    """A fresh model of these sizes, or `path=` a local Hugging Face checkpoint folder.
+    `lora`: train low-rank adapters instead of all weights (`lora()`)."""
     return mlc.ConfigDict(dict(dict(
         path="", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32,
         max_position_embeddings=64, tie_word_embeddings=False, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=False, attention="auto", cache_dtype=mlc.config_dict.placeholder(str),
-        logprobs_head="auto"), **kw))
+        logprobs_head="auto", lora=lora()), **kw))
+
+
+def lora(**kw) -> mlc.ConfigDict:
+    """LoRA adapters on the policy (`jaxrlhf.models.lora`; SFT, GRPO and DPO runs). rank:
+    0 = off (all weights trained), r > 0 = only rank-r adapters are, the rest frozen, and the
+    reference of GRPO/DPO is the base without them. alpha: scale alpha / r (alpha / sqrt(r)
+    with `rslora`). targets: comma-separated regexes searched in the projection paths
+    ("self_attn/q_proj", ..., "mlp/down_proj", "lm_head" when untied). phases: the policy
+    phases that train adapters, comma-separated ("" = all; "grpo": the SFT warm start
+    trains all weights); each starts with fresh ones, those of the phase before merged."""
+    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                    rslora=False, phases=""), **kw))
 
 
 def optim(**kw) -> mlc.ConfigDict:

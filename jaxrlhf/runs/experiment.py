@@ -43,7 +43,7 @@ from pathlib import Path
 import jax
 
 from jaxrlhf import runlog
-from jaxrlhf.models import save_pretrained
+from jaxrlhf.models import Transformer, lora, save_pretrained
 from jaxrlhf.runs import phases, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
@@ -79,6 +79,22 @@ def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | Non
     if show:
         print(text, flush=True)
     return text
+
+
+def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None) -> None:
+    """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
+    weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
+    `base_path` (the checkpoint the phase started from), or else (an SFT warm start changed
+    it) the base written to `path/peft/base`."""
+    if not lora.has_adapters(params):
+        save_pretrained(model, params, path, tokenizer=tokenizer, overwrite=True)
+        return
+    plain = Transformer(model.config.replace(lora=None), head=model.head)
+    save_pretrained(plain, lora.merge(model.config, params), path, tokenizer=tokenizer, overwrite=True)
+    if not base_path:
+        base_path = str(path / "peft" / "base")
+        save_pretrained(plain, lora.without_adapters(params), base_path, tokenizer=tokenizer, overwrite=True)
+    lora.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)
 
 
 def _starting_from(stops: dict, phase: str, evaluation: dict):
@@ -119,6 +135,8 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     task = build_task(config.task, model_path=config.model.path)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
+    plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters
+    adapted = validation.lora_phases(config)
     accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement,
                                 sampled=sampled, seed=config.seed)
     rng = jax.random.key(config.seed)
@@ -127,16 +145,23 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     common = dict(model=model, task=task, workdir=workdir, writer=writer, eval_fn=accuracy, should_stop=should_stop,
                   placement=placement)
     samples = []
+
+    def policy(phase: str, i: int) -> dict:
+        """The starting model and params of policy phase `phase` (LoRA adapters added if it trains them)."""
+        p = setup.start_adapters(model, params, fresh=phase in adapted, seed=config.seed * 1000 + i,
+                                 placement=placement)
+        return dict(common, params=p, model=model if lora.has_adapters(p) else plain)
+
     try:
         if config.algorithm == "sft" or config.sft.steps > 0:
             rows.append(("start", accuracy(params)))
-            params, _ = phases.sft_phase(config.sft, config.train, params=params, rng=jax.random.fold_in(rng, 1),
-                                         early_stop=_starting_from(stops, "sft", rows[-1][1]), **common)
+            params, _ = phases.sft_phase(config.sft, config.train, rng=jax.random.fold_in(rng, 1),
+                                         early_stop=_starting_from(stops, "sft", rows[-1][1]), **policy("sft", 1))
         rl_start = "after SFT" if config.sft.steps > 0 else "start"
         if config.algorithm == "grpo":
             rows.append((rl_start, accuracy(params)))
-            params, _ = phases.grpo_phase(config.grpo, config.train, params=params, rng=jax.random.fold_in(rng, 2),
-                                          early_stop=_starting_from(stops, "grpo", rows[-1][1]), **common)
+            params, _ = phases.grpo_phase(config.grpo, config.train, rng=jax.random.fold_in(rng, 2),
+                                          early_stop=_starting_from(stops, "grpo", rows[-1][1]), **policy("grpo", 2))
         learned_reward = config.algorithm == "reward_model" or (
             config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
         rm = None
@@ -157,9 +182,9 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
         if config.algorithm == "dpo":
             rows.append((rl_start, accuracy(params)))
             params, extras["dpo_heldout_pairs"] = phases.dpo_phase(
-                config.dpo, config.train, params=params, rng=jax.random.fold_in(rng, 5),
+                config.dpo, config.train, rng=jax.random.fold_in(rng, 5),
                 early_stop=_starting_from(stops, "dpo", rows[-1][1]),
-                **common)
+                **policy("dpo", 5))
         if config.algorithm != "reward_model":
             final, samples = accuracy(params, return_samples=config.train.show_samples)
             rows.append((f"after {config.algorithm.upper()}", final))
@@ -167,7 +192,9 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                 host_params = placement.fetch(params)  # every process takes part in the gather
                 if main:
                     tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
-                    save_pretrained(model, host_params, workdir / "export", tokenizer=tokenizer, overwrite=True)
+                    warm_started = config.algorithm != "sft" and config.sft.steps > 0
+                    _export_policy(model, host_params, workdir / "export", tokenizer,
+                                   base_path=None if warm_started else config.model.path)
         elif config.train.export:
             host_params = placement.fetch(rm_params)
             if main:

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft
+from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
 from jaxrlhf.runs import setup
@@ -150,7 +151,9 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
                        "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
-    make = lambda p: grpo.init_state(p, tx, ref_params=p if gcfg.uses_reference else None)
+    # With LoRA adapters the reference is the policy's own base (`grpo.reference_params`).
+    own_reference = gcfg.uses_reference and not lora.has_adapters(params)
+    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     reward = rewards_lib.as_reward(task.reward)
     if reward.is_jax:
@@ -267,7 +270,8 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
 
 def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
               eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
-    """DPO on the task's preference pairs against the starting policy as reference.
+    """DPO on the task's preference pairs against the starting policy as reference (with
+    LoRA adapters in `params`: the base without them, the starting policy all the same).
 
     Returns `(params, held-out metrics)` with the held-out `reward_accuracy` before and after.
     """
@@ -278,8 +282,9 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
                          nll_coef=cfg.nll_coef, num_microbatches=cfg.num_microbatches)
     p_sh = placement.param_shardings(model)
     params = placement.place(params, p_sh)
-    train_pairs = _reference_logprobs(model, params, task.pairs, placement)
-    test_pairs = _reference_logprobs(model, params, task.test_pairs, placement)
+    reference = lora.without_adapters(params)  # the starting policy (with LoRA: its base, the same arrays)
+    train_pairs = _reference_logprobs(model, reference, task.pairs, placement)
+    test_pairs = _reference_logprobs(model, reference, task.test_pairs, placement)
     keys = dpo.PAIR_KEYS + dpo.REF_KEYS
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     batches = _batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "dpo.batch_size")

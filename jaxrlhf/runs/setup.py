@@ -8,7 +8,7 @@ import jax
 
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.experience import SamplingConfig
-from jaxrlhf.models import ModelConfig, Transformer, load_pretrained, random_init
+from jaxrlhf.models import ModelConfig, Transformer, load_pretrained, lora, random_init
 from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.parallel.loading import load_pretrained_sharded
 
@@ -50,6 +50,37 @@ def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: i
     if placement is not None:
         params = placement.place_params(model, params)
     return model, params
+
+
+def lora_model(cfg, model: Transformer) -> Transformer:
+    """`model` with the adapters of `cfg.lora` (a `config.model` section) in its config, or
+    as it is when the rank is 0. Errors name `model.lora.<field>`. The model runs params
+    with adapters (`start_adapters`) and without them (the base) alike."""
+    lcfg = lora.from_section(cfg.lora) if "lora" in cfg else None
+    if lcfg is None:
+        return model
+    config = model.config.replace(lora=lcfg)
+    lora.check_targets(config)
+    return Transformer(config, head=model.head)
+
+
+def start_adapters(model: Transformer, params, *, fresh: bool, seed: int, placement=None):
+    """Before a policy phase of a LoRA run: the adapters of the phase before folded into
+    the base (`lora.merge`), then, if `fresh`, new ones added (`lora.add_adapters`, B = 0,
+    drawn from `seed`), so the phase starts from — and its reference is — the policy it is
+    given. Params of a model without `lora` are returned as they are."""
+    if model.config.lora is None:
+        return params
+    if lora.has_adapters(params):
+        params = lora.merge(model.config, params)
+    if not fresh:
+        return params if placement is None else placement.place(
+            params, lora.without_adapters(placement.param_shardings(model)))
+    params = lora.add_adapters(model, params, jax.random.key(seed))
+    n = sum(x.size for x in jax.tree.leaves(lora.adapters(params)))
+    log.info("LoRA rank %d on %s: %.3fM trained parameters of %.2fM", model.config.lora.rank,
+             ",".join(model.config.lora.targets), n / 1e6, sum(x.size for x in jax.tree.leaves(params)) / 1e6)
+    return params if placement is None else placement.place_params(model, params)
 
 
 def _options(cfg) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from jaxrlhf.models import lora
 from jaxrlhf.runs.stopping import run_phases
 
 
@@ -120,11 +121,35 @@ def check_shapes(config, placement: RowChecker) -> None:
                    {"ppo.num_microbatches": c.num_microbatches})
 
 
+LORA_ALGORITHMS = ("sft", "grpo", "dpo")  # the runs whose policy phases can train adapters
+
+
+def lora_phases(config) -> tuple[str, ...]:
+    """The phases that train LoRA adapters (`model.lora`; none when its rank is 0), checked:
+    a rank >= 0, valid target patterns, an algorithm whose phases train the policy alone
+    (the critic and reward-model roles have no adapters yet), and `phases` among the run's."""
+    section = config.get("model", {}).get("lora")
+    if section is None or lora.from_section(section) is None:
+        return ()
+    if config.algorithm not in LORA_ALGORITHMS:
+        raise ValueError(f"model.lora.rank={section.rank}: LoRA trains the policy of {'/'.join(LORA_ALGORITHMS)} "
+                         f"runs; algorithm={config.algorithm!r} also trains a critic or reward model, which has no "
+                         "adapters yet: set model.lora.rank=0")
+    available = run_phases(config)
+    names = tuple(x for x in section.phases.replace(" ", "").split(",") if x) or available
+    for name in names:
+        if name not in available:
+            raise ValueError(f"model.lora.phases={section.phases!r}: {name!r} is not a phase of this run; its "
+                             f"phases are {', '.join(available)}")
+    return names
+
+
 def check_config(config, placement: RowChecker) -> None:
-    """`check_values` then `check_shapes`: everything about `config` that can be known
-    before the task and model are built, checked before any work."""
+    """`check_values`, `lora_phases` then `check_shapes`: everything about `config` that can
+    be known before the task and model are built, checked before any work."""
     check_values(config)
+    lora_phases(config)
     check_shapes(config, placement)
 
 
-__all__ = ["check_config", "check_shapes", "check_values"]
+__all__ = ["check_config", "check_shapes", "check_values", "lora_phases"]
