@@ -17,6 +17,10 @@ the table (start, after SFT, after the last phase) and every periodic evaluation
 reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@k`,
 `maj@k`, see `runs.evaluation`) as extra columns and `eval/pass@4`-style metrics.
 
+With `model.lora.rank` > 0 the policy phases of `model.lora.phases` train LoRA adapters
+only (`models.lora`, `setup.lora_model` / `setup.start_adapters`), their reference being
+the base without them, and the export adds the PEFT folder `export/peft`.
+
 With `train.stop_metric` set, a phase (the run's own, or those of `train.stop_phases`)
 stops when that held-out metric has not improved for `train.stop_patience` evaluations,
 and with `train.keep_best` ends with the parameters of its best evaluation, so the next
