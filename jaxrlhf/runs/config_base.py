@@ -67,8 +67,8 @@ def lora(**kw) -> mlc.ConfigDict:
     ("self_attn/q_proj", ..., "mlp/down_proj", "lm_head" when untied). phases: the policy
     phases that train adapters, comma-separated ("" = all; "grpo": the SFT warm start
     trains all weights); each starts with fresh ones, those of the phase before merged."""
-    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                                    rslora=False, phases=""), **kw))
+    targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # `models.lora.DEFAULT_TARGETS`
+    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases=""), **kw))
 
 
 def optim(**kw) -> mlc.ConfigDict:

@@ -13,6 +13,7 @@ import pytest
 
 from jaxrlhf.algorithms import common, grpo
 from jaxrlhf.models import ModelConfig, Transformer, init_params, load_pretrained, logical_axes, lora, save_pretrained
+from jaxrlhf.runs import config_base
 
 from .conftest import right_padded_batch
 
@@ -85,7 +86,9 @@ def test_adapters_are_float32_with_their_kernels_axes_and_the_base_keeps_its_dty
     assert axes["q_proj"]["lora_a"] == ("embed", None) and axes["q_proj"]["lora_b"] == (None, "q_heads", "head_dim")
     assert axes["o_proj"]["lora_a"] == ("q_heads", "head_dim", None) and axes["o_proj"]["lora_b"] == (None, "embed")
     assert logical_axes(model)["lm_head"]["lora_b"] == (None, "vocab")
-    assert lora.LoraConfig(rank=4, alpha=8.0).scale == 2.0 and lora.LoraConfig(rank=4, alpha=8.0, rslora=True).scale == 4.0
+    assert lora.LoraConfig(rank=4, alpha=8.0).scale == 2.0
+    assert lora.parse_targets(config_base.lora().targets) == lora.DEFAULT_TARGETS  # the config's default
+    assert lora.LoraConfig(rank=4, alpha=8.0, rslora=True).scale == 4.0
 
 
 def test_gradients_and_updates_reach_only_the_adapters():

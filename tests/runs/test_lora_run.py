@@ -78,7 +78,8 @@ def test_export_is_merged_plus_a_peft_folder_on_the_warm_started_base(grpo_run):
     assert sorted(peft["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     assert peft["base_model_name_or_path"] == str(export / "peft" / "base")  # the SFT warm start changed it
-    assert (export / "peft" / "adapter_model.safetensors").exists() and (export / "peft" / "base" / "config.json").exists()
+    assert (export / "peft" / "adapter_model.safetensors").exists()
+    assert (export / "peft" / "base" / "config.json").exists()
 
 
 def test_grpo_with_lora_resumes_exactly(grpo_run, tmp_path, cache, caplog):
