@@ -31,9 +31,11 @@ Implementations (`ModelConfig.attention`, names in `IMPLEMENTATIONS`):
   self-attention passes (training, scoring), adapted in `_kernels`. Elsewhere (a decode
   step, queries against a cache) they resolve to "chunked".
 - "auto" (default): dense where its score array is small (short sequences, decode steps);
-  for longer self-attention splash on a single TPU chip, cuDNN on a GPU with bf16/fp16
-  compute; chunked otherwise (splash is a Pallas call that GSPMD does not partition, so
-  over several chips "auto" keeps the chunked form).
+  for longer self-attention splash on TPU, cuDNN on a GPU with bf16/fp16 compute; chunked
+  otherwise. Splash is a Pallas call that GSPMD does not partition: over several chips it
+  runs in a `shard_map` over the mesh that `kernel_mesh` names (the runs enter it from
+  their mesh and rules; `parallel.kernel_mesh` for your own steps), and without one
+  "auto" keeps the chunked form there.
 
 `tokamax.dot_product_attention` was measured as the alternative for the chunked form: its
 "xla_chunked" gradient took 230 MiB at L = 4,096 (9/3 heads) against 58 MiB here, and it
@@ -42,8 +44,10 @@ takes padding only as per-row lengths or a dense `[B, N, L, S]` mask.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +74,36 @@ class AttentionMask(NamedTuple):
 
     key_valid: jax.Array
     query_slot: jax.Array
+
+
+class KernelMesh(NamedTuple):
+    """Where a kernel that GSPMD cannot partition (splash) runs over several devices: the
+    mesh, and the mesh axes that split the batch rows and the kv heads (from the sharding
+    rules of `batch` and `kv_heads`)."""
+
+    mesh: Any  # jax.sharding.Mesh
+    batch_axes: tuple[str, ...]
+    head_axes: tuple[str, ...]
+
+
+_KERNEL_MESH: contextvars.ContextVar[KernelMesh | None] = contextvars.ContextVar("kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh, *, batch_axes=(), head_axes=()):
+    """Within this context, functions traced by `jax.jit` run the splash kernel per device
+    of `mesh` (a `shard_map`; see `_kernels.splash`), and "auto" may choose it over
+    several chips. Enter it around the calls that compile, with the mesh their inputs live on."""
+    token = _KERNEL_MESH.set(KernelMesh(mesh, tuple(batch_axes), tuple(head_axes)))
+    try:
+        yield
+    finally:
+        _KERNEL_MESH.reset(token)
+
+
+def current_kernel_mesh() -> KernelMesh | None:
+    """The `KernelMesh` of the innermost `kernel_mesh` context, or None."""
+    return _KERNEL_MESH.get()
 
 
 def allowed_BxLxS(mask: AttentionMask, window: int | None) -> jax.Array:
@@ -136,13 +170,18 @@ def choose(implementation: str, *, num_queries: int, num_keys: int, num_groups: 
         return implementation
     if num_groups * num_queries * num_keys <= _DENSE_MAX_SCORES:
         return "dense"
-    if queries_are_keys and platform == "tpu" and jax.device_count() == 1:
-        # A Pallas call is not partitioned by GSPMD: over several chips it would need a
-        # shard_map over batch and heads, which this adapter does not have yet.
+    if queries_are_keys and platform == "tpu" and _splash_placeable():
         return "splash"
     if queries_are_keys and platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "chunked"
+
+
+def _splash_placeable() -> bool:
+    """One chip, or a `kernel_mesh` over all of them: GSPMD would run an unpartitioned
+    Pallas call on gathered inputs."""
+    km = current_kernel_mesh()
+    return jax.device_count() == 1 or (km is not None and km.mesh.size == jax.device_count())
 
 
 def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementation: str = "auto",
@@ -169,7 +208,8 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementati
     impl = choose(implementation, num_queries=l, num_keys=s, num_groups=n // kh, queries_are_keys=queries_are_keys,
                   dtype=q_BxLxNxH.dtype)
     if impl == "splash":
-        return _kernels.splash(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window)
+        return _kernels.splash(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,
+                               mesh=current_kernel_mesh())
     if impl == "cudnn":
         fallback = functools.partial(chunked, q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window)
         return _kernels.span_rotated(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,

@@ -96,6 +96,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     The run holds the workdir's lock throughout, and a workdir started with another config
     is refused before anything in it is written (`runs.workdir.claim`), unless every change
     is safe to resume with (`runs.workdir.SAFE_TO_CHANGE`) and `resume_with_changes` is set.
+    Every step compiles under `placement.kernels()` (the splash kernel split over the mesh).
     """
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
@@ -107,7 +108,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     log.info("%s", placement.describe())
-    with claim(workdir, config, resume_with_changes=resume_with_changes):  # the lock, then the config check
+    with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels():
         return _run(config, Path(workdir), placement=placement, sampled=sampled, stops=stops, start=start,
                     should_stop=should_stop)
 
