@@ -181,7 +181,10 @@ CHUNKED_HEAD_FROM = 2**24
 
 
 def uses_chunked_head(config: ModelConfig, rows: int, positions: int) -> bool:
-    """Whether `head_logprobs` fuses the head for `[rows, positions]` targets."""
+    """Whether `head_logprobs` fuses the head for `[rows, positions]` targets (never for a
+    soft-capped head, Gemma 2's, which `ops.linear_logprobs` does not apply)."""
+    if config.final_logit_softcapping is not None:
+        return False
     if config.logprobs_head == "auto":
         return rows * positions * config.vocab_size >= CHUNKED_HEAD_FROM
     return config.logprobs_head == "chunked"
