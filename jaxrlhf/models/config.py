@@ -406,7 +406,7 @@ def to_hf_dict(config: ModelConfig, *, architecture: str = "ForCausalLM", num_la
     if config.model_type in ("mistral", "gemma2", "gemma3_text"):
         out.update(sliding_window=config.sliding_window)
     if config.model_type in ("gemma2", "gemma3_text"):
-        out.update(hidden_activation=config.hidden_act, layer_types=list(config.layer_types or
+        out.update(hidden_activation=out.pop("hidden_act"), layer_types=list(config.layer_types or
                                                                           ["full_attention"] * config.num_layers),
                    query_pre_attn_scalar=config.query_pre_attn_scalar,
                    attn_logit_softcapping=config.attn_logit_softcapping,
