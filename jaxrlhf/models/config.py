@@ -298,7 +298,7 @@ def from_hf_config(hf: Any, **overrides) -> ModelConfig:
     model_type = hf.get("model_type")
     check_model_type(model_type)
     act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
-    if model_type.startswith("gemma") and act == "gelu":  # transformers reads Gemma's legacy "gelu" so
+    if model_type.startswith("gemma") and act == "gelu":  # Gemma's legacy "gelu" is read as the tanh form
         act = "gelu_pytorch_tanh"
     if act not in _ACTIVATIONS:
         raise UnsupportedConfigError(f"config.json: hidden_act={act!r}; implemented: {list(_ACTIVATIONS)}")
