@@ -125,9 +125,10 @@ def _query_valid_BxL(mask: AttentionMask) -> jax.Array:
     return jnp.take(mask.key_valid.astype(bool), mask.query_slot, axis=1)
 
 
-def _capped(scores, soft_cap: float | None):
-    """`soft_cap · tanh(scores / soft_cap)`, or `scores` without a cap."""
-    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+def capped(x: jax.Array, soft_cap: float | None) -> jax.Array:
+    """`soft_cap · tanh(x / soft_cap)`, or `x` without a cap: Gemma 2's soft-capping of
+    attention scores (here) and of the final logits (`transformer`)."""
+    return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
 
 
 def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float, window: int | None = None,
@@ -149,7 +150,7 @@ def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float,
         scores = jnp.einsum("BKQH,BKHS->BKQS", q_BxKxQxH, k_BxKxSxH.astype(dt))
     else:
         scores = jnp.einsum("BKQH,BKSH->BKQS", q_BxKxQxH, k_BxKxSxH.astype(dt))
-    scores = _capped(scores.astype(jnp.float32) * scale, soft_cap)
+    scores = capped(scores.astype(jnp.float32) * scale, soft_cap)
     allowed = allowed_BxLxS(mask, window)
     mask_BxQxS = jnp.broadcast_to(allowed[:, None], (b, g, l, s)).reshape(b, 1, g * l, s)
     # finfo.min rather than -inf: a fully masked row (a padding query) stays finite, and
@@ -307,7 +308,7 @@ def _key_block_range(slots_Q: jax.Array, st: _Static, num_k_blocks: int):
 
 def _block_scores(q_BxKxGxQxH, k_BxKxCxH, valid_BxC, slots_Q, j, st: _Static):
     """Scaled float32 scores of one (query block, key block) pair and where they are allowed."""
-    s = _capped(jnp.einsum("BKGQH,BKCH->BKGQC", q_BxKxGxQxH, k_BxKxCxH, preferred_element_type=jnp.float32)
+    s = capped(jnp.einsum("BKGQH,BKCH->BKGQC", q_BxKxGxQxH, k_BxKxCxH, preferred_element_type=jnp.float32)
                 * st.scale, st.soft_cap)
     key_slot_C = j * st.bk + jnp.arange(st.bk)
     ok_QxC = key_slot_C[None, :] <= slots_Q[:, None]

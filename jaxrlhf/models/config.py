@@ -151,9 +151,6 @@ class ModelConfig:
                     f"layer_types={list(self.layer_types)}; expected {self.num_layers} entries from {list(LAYER_TYPES)}")
         if self.sliding_window is None and any(self.local_layers()):
             raise UnsupportedConfigError("layer_types has sliding_attention layers but sliding_window is not set")
-        if self.final_logit_softcapping is not None and self.logprobs_head == "chunked":
-            raise ValueError(f"logprobs_head='chunked' (the fused LM head) does not apply final_logit_softcapping="
-                             f"{self.final_logit_softcapping}; use 'plain' or 'auto' (which resolves to plain)")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"

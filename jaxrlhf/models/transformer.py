@@ -149,11 +149,6 @@ def _norm(c: ModelConfig, name: str, axis: str = "norm") -> RMSNorm:
     return RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), axis, c.norm_plus_one, name=name)
 
 
-def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    """`cap · tanh(x / cap)` (Gemma 2's final-logit soft-capping), or `x` without a cap."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
-
-
 def _rows_matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
     """`[..., K] @ [K, M] -> [..., M]` as one 2-D matmul over the flattened leading axes.
 
@@ -414,7 +409,7 @@ class Transformer(nn.Module):
         else:
             logits = Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None,
                                 jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name="lm_head")(hidden_BxLxD)
-        return soft_cap(logits, c.final_logit_softcapping)
+        return attention.capped(logits, c.final_logit_softcapping)
 
 
 def _rope(c: ModelConfig, position_ids_BxL: jax.Array, local: bool):
@@ -551,7 +546,7 @@ def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.
     chunks of a long response) instead of materialising `[B, L, V]` logits.
     """
     logits = _rows_matmul(hidden_BxLxD.astype(jnp.dtype(config.dtype)), lm_head_weight(config, params))
-    return soft_cap(logits, config.final_logit_softcapping)
+    return attention.capped(logits, config.final_logit_softcapping)
 
 
 def lm_head_weight(config: ModelConfig, params) -> jax.Array:

@@ -79,8 +79,14 @@ def test_save_load_round_trip_through_transformers(hf_store, tmp_path, family, k
         np.testing.assert_array_equal(got[name].numpy(), want[name].numpy(), err_msg=name)
 
 
-def test_value_head_on_a_soft_capped_model(hf_store):
-    """head="lm_value" keeps the causal LM's (soft-capped) logits and adds a fresh value head."""
+def test_heads_of_a_soft_capped_model(hf_store):
+    """Gemma 2: head="lm_value" keeps the causal LM's soft-capped logits and adds a fresh value
+    head; `project_logits` (the sampler's head) and the trainer's plain and fused
+    (`ops.linear_logprobs`) log-prob heads all apply the final soft cap."""
+    from jaxrlhf import ops
+    from jaxrlhf.algorithms import common
+    from jaxrlhf.models import project_logits
+
     path, hf_model = hf_store.get("gemma2")
     both, params = load_pretrained(path, head="lm_value")
     ids, mask = right_padded_batch(seed=4)
@@ -89,6 +95,13 @@ def test_value_head_on_a_soft_capped_model(hf_store):
     np.testing.assert_allclose(np.asarray(out.logits)[valid], hf_forward(hf_model, ids, mask)[valid], atol=ATOL,
                                rtol=0)
     assert out.values.shape == ids.shape and np.all(np.isfinite(np.asarray(out.values)))
+    c = both.config
+    np.testing.assert_allclose(np.asarray(project_logits(c, params, out.hidden)), np.asarray(out.logits), atol=1e-6)
+    want = np.asarray(ops.token_logprobs(out.logits, jnp.asarray(ids), 0.7))
+    for head in ("plain", "chunked"):
+        got = common.head_logprobs(c.replace(logprobs_head=head), params, out.hidden, jnp.asarray(ids),
+                                   temperature=0.7).logp
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=head)
 
 
 def _all_moved(new, old) -> bool:
@@ -138,8 +151,8 @@ def test_dpo_step_on_scanned_gemma3(hf_store):
 
 
 def test_unsupported_variants_are_refused_naming_the_field(hf_store, tmp_path):
-    """Gemma 3's multimodal checkpoint (model_type gemma3), remote code, bidirectional
-    attention and Gemma 2's fused head are refused, each naming the field."""
+    """Gemma 3's multimodal checkpoint (model_type gemma3), remote code and bidirectional
+    attention are refused, each naming the field."""
     with pytest.raises(UnsupportedConfigError, match=r"model_type='gemma3'.*Gemma3ForConditionalGeneration"):
         from_hf_config({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]})
     gemma3 = hf_store.get("gemma3")[0]
@@ -158,5 +171,3 @@ def test_unsupported_variants_are_refused_naming_the_field(hf_store, tmp_path):
         os.symlink(os.path.join(gemma3, "model.safetensors"), folder / "model.safetensors")
         with pytest.raises(error, match=pattern):
             load_pretrained(folder)
-    with pytest.raises(ValueError, match=r"logprobs_head='chunked'.*final_logit_softcapping"):
-        load_pretrained(hf_store.get("gemma2")[0], logprobs_head="chunked")
