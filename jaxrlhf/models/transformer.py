@@ -362,7 +362,9 @@ class Transformer(nn.Module):
                 position_ids = jax.lax.dynamic_slice_in_dim(positions_from_mask(mask), cache_index, l, axis=1)
             attn_mask = AttentionMask(mask, cache_index + jnp.arange(l, dtype=jnp.int32))
 
-        ropes = {local: _rope(c, position_ids, local) for local in sorted(set(c.local_layers()))}
+        shared = _rope(c, position_ids, False)  # local layers differ only with a base of their own
+        ropes = {local: _rope(c, position_ids, True) if local and c.local_rope_theta is not None else shared
+                 for local in set(c.local_layers())}
 
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt,
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")),
