@@ -38,13 +38,14 @@ _SPLASH_BLOCK = 128  # the splash kernel's default block; L is padded to a multi
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(length: int, groups: int, window: int | None, interpret: bool):
+def _splash_kernel(length: int, groups: int, window: int | None, soft_cap: float | None, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     shape = (length, length)
     one = sm.CausalMask(shape) if window is None else sm.LocalMask(shape, (window - 1, 0), 0)
-    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * groups), interpret=interpret)
+    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * groups), attn_logits_soft_cap=soft_cap,
+                                            interpret=interpret)
 
 
 def _dividing(mesh, axes, dim: int) -> tuple[str, ...]:
@@ -56,14 +57,16 @@ def _dividing(mesh, axes, dim: int) -> tuple[str, ...]:
 
 
 def splash(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, window: int | None,
-           interpret: bool = False, mesh=None):
+           soft_cap: float | None = None, interpret: bool = False, mesh=None):
     """Causal (optionally local) self-attention with the Pallas splash kernel; `[B, L, N, H]`.
+
+    `soft_cap`: the kernel's `attn_logits_soft_cap` (scores `c·tanh(s/c)` after `scale`).
 
     `mesh`: an `attention.KernelMesh`; over several devices the kernel runs per device in a
     `shard_map`, batch rows split over `mesh.batch_axes` and kv heads over
     `mesh.head_axes` (each as far as they divide B and K; the rest is replicated).
     """
-    local = functools.partial(_splash_local, scale=scale, window=window, interpret=interpret)
+    local = functools.partial(_splash_local, scale=scale, window=window, soft_cap=soft_cap, interpret=interpret)
     if mesh is None or mesh.mesh.size == 1:
         return local(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL)
     rows = _dividing(mesh.mesh, mesh.batch_axes, q_BxLxNxH.shape[0])
@@ -76,7 +79,7 @@ def splash(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, wind
 
 
 def _splash_local(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, window: int | None,
-                  interpret: bool):
+                  soft_cap: float | None, interpret: bool):
     """`splash` on one device's arrays."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
@@ -89,7 +92,7 @@ def _splash_local(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: floa
     q_BxKxGxLxH = pad(q_BxKxGxLxH, 3)
     k, v = pad(k_BxKxLxH, 2), pad(v_BxKxLxH.astype(k_BxKxLxH.dtype), 2)
     seg_BxL = pad(key_valid_BxL.astype(jnp.int32), 1)
-    kernel = _splash_kernel(lp, g, window, interpret)
+    kernel = _splash_kernel(lp, g, window, soft_cap, interpret)
 
     def one_row(q_KxGxLxH, k_KxLxH, v_KxLxH, seg_L):
         ids = sk.SegmentIds(q=seg_L, kv=seg_L)
