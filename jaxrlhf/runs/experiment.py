@@ -147,7 +147,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement, early_stop=stops.get("reward_model"))
             extras["reward_model_heldout"] = rm_eval
-            log.info("reward model held-out pair accuracy %.3f", rm_eval["accuracy"])
+            log.info("reward model held-out: %s", ", ".join(f"{k}={v:.4g}" for k, v in rm_eval.items()))
             rm = (rm_model, rm_params)
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))
