@@ -1,7 +1,8 @@
 """Mistral, Gemma, Gemma 2 and Gemma 3 text against transformers beyond the logits
 (`test_hf_parity` has those for every family and head): left-padded prompts longer than the
 sliding window, greedy decoding past the window token for token against `generate`, the
-save → load round trip, the value head, RL steps on Gemma 2 and Gemma 3, and the refusals."""
+save → load round trip, the value head, GRPO and DPO steps on Gemma 2 and Gemma 3, PPO with
+a Gemma reward model, and the refusals."""
 
 from __future__ import annotations
 
@@ -108,16 +109,16 @@ def _all_moved(new, old) -> bool:
     return all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), new, old)))
 
 
-# One RL step per family keeps the suite's budget (each compiles a forward and backward pass,
-# ~10 s here): GRPO on Gemma 2, DPO on Gemma 3; the algorithms share the model code paths.
-def test_grpo_update_on_gemma2(hf_store):
+@pytest.mark.parametrize("family, scan", [("gemma2", False), ("gemma3", True)])
+def test_grpo_update(hf_store, family, scan):
     """A GRPO update on tiny Gemma 2 (soft-capped attention and logits, local and global
-    layers): a finite loss, and every parameter moves. (Its sampling with the cache is
-    checked against `generate` above.)"""
+    layers) and Gemma 3 as a scanned stack (local and global layers under `lax.cond`,
+    differentiated): a finite loss, and every parameter moves. (Their sampling with the
+    cache is checked against `generate` above.)"""
     from jaxrlhf.algorithms import grpo
     from jaxrlhf.algorithms.experience import SamplingConfig
 
-    model, params = load_pretrained(hf_store.get("gemma2")[0])
+    model, params = load_pretrained(hf_store.get(family)[0], scan_layers=scan)
     tx = optax.sgd(0.1)
     prompt, prompt_mask = _left_padded_prompts(2, lengths=(7, 3, 5, 1), width=7)
     response, response_mask = right_padded_batch(seed=5, lengths=(4, 2, 1, 3), max_len=4)
@@ -131,13 +132,14 @@ def test_grpo_update_on_gemma2(hf_store):
     assert np.isfinite(float(metrics["loss"])) and _all_moved(state.policy.params, params), metrics
 
 
-def test_dpo_step_on_scanned_gemma3(hf_store):
-    """A DPO step on tiny Gemma 3 as a scanned stack (local and global layers under
-    `lax.cond`, differentiated): a finite loss, and every parameter moves."""
+@pytest.mark.parametrize("family, scan", [("gemma2", False), ("gemma3", True)])
+def test_dpo_step(hf_store, family, scan):
+    """A DPO step on tiny Gemma 2 and on Gemma 3 as a scanned stack: a finite loss, and
+    every parameter moves."""
     from jaxrlhf import data
     from jaxrlhf.algorithms import dpo
 
-    model, params = load_pretrained(hf_store.get("gemma3")[0], scan_layers=True)
+    model, params = load_pretrained(hf_store.get(family)[0], scan_layers=scan)
     tx = optax.sgd(0.1)
     rng = np.random.default_rng(3)
     pairs = data.preference_batch([list(rng.integers(3, VOCAB, n)) for n in (6, 2)],
@@ -148,6 +150,28 @@ def test_dpo_step_on_scanned_gemma3(hf_store):
     state, metrics = jax.jit(dpo.make_train_step(model, tx, dpo.DPOConfig(beta=0.5)))(
         dpo.init_state(params, tx), pairs, jax.random.key(0))
     assert np.isfinite(float(metrics["loss"])) and bool(metrics["finite"]) and _all_moved(state.params, params)
+
+
+def test_ppo_with_a_gemma_reward_model(hf_store):
+    """RLHF-PPO with every role a Gemma: a Gemma 2 actor with its value head (the critic on
+    the shared trunk), its frozen reference, and a Gemma 3 reward model (its
+    `Gemma3ForSequenceClassification` checkpoint): one iteration of rollout, scoring and
+    update is finite and moves the actor."""
+    from jaxrlhf.algorithms import ppo
+    from jaxrlhf.algorithms.experience import SamplingConfig
+
+    actor, params = load_pretrained(hf_store.get("gemma2")[0], head="lm_value")
+    rm = load_pretrained(hf_store.get("gemma3", "score")[0])
+    assert rm[0].head == "score"
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=4), critic="shared", kl_coef=0.1,
+                        num_ppo_epochs=1, num_minibatches=1)
+    tx = optax.sgd(0.1)
+    state = ppo.init_state(cfg, actor, jax.tree.map(jnp.copy, params), tx, reward=rm)
+    prompt, prompt_mask = _left_padded_prompts(4, lengths=(7, 3, 5, 1), width=7)
+    it = ppo.make_iteration(actor, None, rm[0], tx, None, cfg)
+    state, metrics = it(state, jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_mask, bool), jax.random.key(1))
+    assert bool(metrics["finite"]) and np.isfinite(float(metrics["loss"])), metrics
+    assert _all_moved(state.actor.params["layers_0"], params["layers_0"])
 
 
 def test_unsupported_variants_are_refused_naming_the_field(hf_store, tmp_path):
