@@ -1,4 +1,5 @@
-"""Suite-wide pytest settings: the slowest files start first.
+"""Suite-wide pytest settings: fast-compiling XLA flags (`_xla.py`), and the slowest files
+start first.
 
 With `-n 2 --dist loadfile` (pyproject.toml) each file runs whole on one worker, in the
 order the files are collected: the few files that take minutes (module fixtures of training
@@ -9,6 +10,12 @@ Longest first is the classic fix for that tail. The list is from measured `--dur
 """
 
 from __future__ import annotations
+
+import os
+
+import _xla
+
+os.environ["XLA_FLAGS"] = _xla.flags(base=os.environ.get("XLA_FLAGS"))  # before any test imports jax
 
 SLOW_FIRST = (
     "runs/test_configs.py", "runs/test_train_mesh.py", "algorithms/test_grpo.py", "rollout/test_sampler.py",

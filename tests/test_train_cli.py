@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _xla
 import pytest
 
 from jaxrlhf import cli
@@ -26,8 +27,7 @@ GRPO = f"--config={REPO}/configs/addition_grpo.py:tiny"
 def _train(*args, devices: int | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXRLHF_"))}
     env["JAX_PLATFORMS"] = "cpu"
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = _xla.flags(devices)
     return subprocess.run([sys.executable, "-m", "jaxrlhf.train", *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
 

@@ -208,7 +208,8 @@ def head_logprobs(config: ModelConfig, params, hidden_BxTxD, targets_BxT, *, tem
     b, t = targets_BxT.shape
     if uses_chunked_head(config, b, t):
         return ops.linear_logprobs(hidden_BxTxD.astype(config.dtype), lm_head_weight(config, params), targets_BxT,
-                                   temperature=temperature, with_entropy=with_entropy, with_argmax=with_argmax)
+                                   temperature=temperature, with_entropy=with_entropy, with_argmax=with_argmax,
+                                   soft_cap=config.final_logit_softcapping)
     logits_BxTxV = project_logits(config, params, hidden_BxTxD)
     logp = ops.token_logprobs(logits_BxTxV, targets_BxT, temperature=temperature)
     ent = ops.entropy(logits_BxTxV, temperature=temperature) if with_entropy else None

@@ -10,6 +10,10 @@ steps and cached queries use the dense or chunked forms.
   (`key_valid` for queries and keys alike): a real query attends to real keys at or
   before its slot, exactly `allowed`; a padding query attends to padding keys and is then
   zeroed. Runs in Pallas interpret mode off TPU, which is how the tests check it here.
+  A Pallas call is one program that GSPMD does not partition, so over several chips it
+  runs inside a `shard_map` (`attention.KernelMesh`): each device takes its rows of the
+  batch and its kv heads (with their query heads) whole, as the run's sharding rules
+  split them; attention never mixes rows or kv groups, so no device needs another's data.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention,
   NVIDIA GPUs, bf16/fp16). cuDNN takes only per-row lengths (`[0, n)` spans), so each row
   is rotated until its first real token sits at slot 0 — causal order is kept, a left-
@@ -23,27 +27,60 @@ steps and cached queries use the dense or chunked forms.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 _SPLASH_BLOCK = 128  # the splash kernel's default block; L is padded to a multiple of it
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(length: int, groups: int, window: int | None, interpret: bool):
+def _splash_kernel(length: int, groups: int, window: int | None, soft_cap: float | None, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     shape = (length, length)
     one = sm.CausalMask(shape) if window is None else sm.LocalMask(shape, (window - 1, 0), 0)
-    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * groups), interpret=interpret)
+    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * groups), attn_logits_soft_cap=soft_cap,
+                                            interpret=interpret)
+
+
+def _dividing(mesh, axes, dim: int) -> tuple[str, ...]:
+    """The longest prefix of `axes` (size-1 axes dropped) whose device count divides `dim`."""
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    while axes and dim % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    return axes
 
 
 def splash(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, window: int | None,
-           interpret: bool = False):
-    """Causal (optionally local) self-attention with the Pallas splash kernel; `[B, L, N, H]`."""
+           soft_cap: float | None = None, interpret: bool = False, mesh=None):
+    """Causal (optionally local) self-attention with the Pallas splash kernel; `[B, L, N, H]`.
+
+    `soft_cap`: the kernel's `attn_logits_soft_cap` (scores `c·tanh(s/c)` after `scale`).
+
+    `mesh`: an `attention.KernelMesh`; over several devices the kernel runs per device in a
+    `shard_map`, batch rows split over `mesh.batch_axes` and kv heads over
+    `mesh.head_axes` (each as far as they divide B and K; the rest is replicated).
+    """
+    local = functools.partial(_splash_local, scale=scale, window=window, soft_cap=soft_cap, interpret=interpret)
+    if mesh is None or mesh.mesh.size == 1:
+        return local(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL)
+    rows = _dividing(mesh.mesh, mesh.batch_axes, q_BxLxNxH.shape[0])
+    heads = _dividing(mesh.mesh, [a for a in mesh.head_axes if a not in rows], k_BxKxLxH.shape[1])
+    r, h = rows or None, heads or None  # query heads n = k·G + g: contiguous per kv head, split alike
+    q_spec, kv_spec = P(r, None, h, None), P(r, h, None, None)
+    sharded = jax.shard_map(local, mesh=mesh.mesh, in_specs=(q_spec, kv_spec, kv_spec, P(r, None)),
+                            out_specs=q_spec, check_vma=False)
+    return sharded(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL)
+
+
+def _splash_local(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, window: int | None,
+                  soft_cap: float | None, interpret: bool):
+    """`splash` on one device's arrays."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, l, n, h = q_BxLxNxH.shape
@@ -55,7 +92,7 @@ def splash(q_BxLxNxH, k_BxKxLxH, v_BxKxLxH, key_valid_BxL, *, scale: float, wind
     q_BxKxGxLxH = pad(q_BxKxGxLxH, 3)
     k, v = pad(k_BxKxLxH, 2), pad(v_BxKxLxH.astype(k_BxKxLxH.dtype), 2)
     seg_BxL = pad(key_valid_BxL.astype(jnp.int32), 1)
-    kernel = _splash_kernel(lp, g, window, interpret)
+    kernel = _splash_kernel(lp, g, window, soft_cap, interpret)
 
     def one_row(q_KxGxLxH, k_KxLxH, v_KxLxH, seg_L):
         ids = sk.SegmentIds(q=seg_L, kv=seg_L)

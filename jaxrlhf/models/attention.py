@@ -4,9 +4,12 @@ and config.
 Every implementation computes, for query `l` of row `b` and head `n` (kv head `k = n // G`,
 `G = N / K` query heads per kv head, no keys or values repeated):
 
-    o[b, l, n] = Σ_s softmax_s( scale · q[b, l, n] · k[b, s, k]  where allowed(b, l, s) ) v[b, s, k]
+    o[b, l, n] = Σ_s softmax_s( cap(scale · q[b, l, n] · k[b, s, k])  where allowed(b, l, s) ) v[b, s, k]
 
     allowed(b, l, s) = key_valid[b, s] ∧ key_valid[b, query_slot[l]] ∧ s ≤ query_slot[l] ∧ s > query_slot[l] − window
+
+`cap(x) = soft_cap · tanh(x / soft_cap)` with a soft cap (Gemma 2's attention-logit
+soft-capping), else `x`.
 
 `key_valid` `[B, S]` marks real tokens (left-padded prompts, right-padded responses, cache
 slots not written yet are all False); `query_slot` `[L]` is each query's slot in the `S`
@@ -29,11 +32,14 @@ Implementations (`ModelConfig.attention`, names in `IMPLEMENTATIONS`):
 - "cudnn": cuDNN flash attention through `jax.nn.dot_product_attention` (NVIDIA GPUs,
   bf16/fp16), and "splash": the Pallas TPU splash attention that ships with JAX; both for
   self-attention passes (training, scoring), adapted in `_kernels`. Elsewhere (a decode
-  step, queries against a cache) they resolve to "chunked".
+  step, queries against a cache) they resolve to "chunked". cuDNN takes no soft cap: with
+  one, "cudnn" is refused and "auto" never picks it (splash applies the cap in-kernel).
 - "auto" (default): dense where its score array is small (short sequences, decode steps);
-  for longer self-attention splash on a single TPU chip, cuDNN on a GPU with bf16/fp16
-  compute; chunked otherwise (splash is a Pallas call that GSPMD does not partition, so
-  over several chips "auto" keeps the chunked form).
+  for longer self-attention splash on TPU, cuDNN on a GPU with bf16/fp16 compute; chunked
+  otherwise. Splash is a Pallas call that GSPMD does not partition: over several chips it
+  runs in a `shard_map` over the mesh that `kernel_mesh` names (the runs enter it from
+  their mesh and rules; `parallel.kernel_mesh` for your own steps), and without one
+  "auto" keeps the chunked form there.
 
 `tokamax.dot_product_attention` was measured as the alternative for the chunked form: its
 "xla_chunked" gradient took 230 MiB at L = 4,096 (9/3 heads) against 58 MiB here, and it
@@ -42,8 +48,10 @@ takes padding only as per-row lengths or a dense `[B, N, L, S]` mask.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +80,36 @@ class AttentionMask(NamedTuple):
     query_slot: jax.Array
 
 
+class KernelMesh(NamedTuple):
+    """Where a kernel that GSPMD cannot partition (splash) runs over several devices: the
+    mesh, and the mesh axes that split the batch rows and the kv heads (from the sharding
+    rules of `batch` and `kv_heads`)."""
+
+    mesh: Any  # jax.sharding.Mesh
+    batch_axes: tuple[str, ...]
+    head_axes: tuple[str, ...]
+
+
+_KERNEL_MESH: contextvars.ContextVar[KernelMesh | None] = contextvars.ContextVar("kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh, *, batch_axes=(), head_axes=()):
+    """Within this context, functions traced by `jax.jit` run the splash kernel per device
+    of `mesh` (a `shard_map`; see `_kernels.splash`), and "auto" may choose it over
+    several chips. Enter it around the calls that compile, with the mesh their inputs live on."""
+    token = _KERNEL_MESH.set(KernelMesh(mesh, tuple(batch_axes), tuple(head_axes)))
+    try:
+        yield
+    finally:
+        _KERNEL_MESH.reset(token)
+
+
+def current_kernel_mesh() -> KernelMesh | None:
+    """The `KernelMesh` of the innermost `kernel_mesh` context, or None."""
+    return _KERNEL_MESH.get()
+
+
 def allowed_BxLxS(mask: AttentionMask, window: int | None) -> jax.Array:
     """The `[B, L, S]` boolean mask that `mask` stands for (dense form and tests only)."""
     s = mask.key_valid.shape[1]
@@ -87,8 +125,14 @@ def _query_valid_BxL(mask: AttentionMask) -> jax.Array:
     return jnp.take(mask.key_valid.astype(bool), mask.query_slot, axis=1)
 
 
+def capped(x: jax.Array, soft_cap: float | None) -> jax.Array:
+    """`soft_cap · tanh(x / soft_cap)`, or `x` without a cap: Gemma 2's soft-capping of
+    attention scores (here) and of the final logits (`transformer`)."""
+    return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
+
+
 def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float, window: int | None = None,
-          keys_transposed: bool = False):
+          soft_cap: float | None = None, keys_transposed: bool = False):
     """The reference: all scores `[B, K, G·L, S]` at once, softmax in float32.
 
     `keys_transposed`: keys come as `[B, K, H, S]` (the KV cache's layout).
@@ -106,7 +150,7 @@ def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float,
         scores = jnp.einsum("BKQH,BKHS->BKQS", q_BxKxQxH, k_BxKxSxH.astype(dt))
     else:
         scores = jnp.einsum("BKQH,BKSH->BKQS", q_BxKxQxH, k_BxKxSxH.astype(dt))
-    scores = scores.astype(jnp.float32) * scale
+    scores = capped(scores.astype(jnp.float32) * scale, soft_cap)
     allowed = allowed_BxLxS(mask, window)
     mask_BxQxS = jnp.broadcast_to(allowed[:, None], (b, g, l, s)).reshape(b, 1, g * l, s)
     # finfo.min rather than -inf: a fully masked row (a padding query) stays finite, and
@@ -119,11 +163,16 @@ def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float,
 
 
 def choose(implementation: str, *, num_queries: int, num_keys: int, num_groups: int,
-           queries_are_keys: bool = False, dtype=jnp.float32, platform: str | None = None) -> str:
+           queries_are_keys: bool = False, dtype=jnp.float32, platform: str | None = None,
+           soft_cap: float | None = None) -> str:
     """The implementation `attend` runs for `implementation` ("auto" resolved; a kernel
-    that does not apply to these queries resolves to "chunked")."""
+    that does not apply to these queries resolves to "chunked"; cuDNN, which cannot
+    soft-cap scores, is refused with a `soft_cap` and never chosen by "auto")."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention={implementation!r}; expected one of {list(IMPLEMENTATIONS)}")
+    if implementation == "cudnn" and soft_cap is not None:
+        raise ValueError(f"attention='cudnn' cannot soft-cap attention scores (this model's "
+                         f"attn_logit_softcapping={soft_cap}); use 'auto', 'chunked', 'dense' or 'splash'")
     platform = platform or jax.default_backend()
     if implementation in _PLATFORM:
         if platform != _PLATFORM[implementation]:
@@ -136,17 +185,23 @@ def choose(implementation: str, *, num_queries: int, num_keys: int, num_groups: 
         return implementation
     if num_groups * num_queries * num_keys <= _DENSE_MAX_SCORES:
         return "dense"
-    if queries_are_keys and platform == "tpu" and jax.device_count() == 1:
-        # A Pallas call is not partitioned by GSPMD: over several chips it would need a
-        # shard_map over batch and heads, which this adapter does not have yet.
+    if queries_are_keys and platform == "tpu" and _splash_placeable():
         return "splash"
-    if queries_are_keys and platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    if queries_are_keys and platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) \
+            and soft_cap is None:
         return "cudnn"
     return "chunked"
 
 
+def _splash_placeable() -> bool:
+    """One chip, or a `kernel_mesh` over all of them: GSPMD would run an unpartitioned
+    Pallas call on gathered inputs."""
+    km = current_kernel_mesh()
+    return jax.device_count() == 1 or (km is not None and km.mesh.size == jax.device_count())
+
+
 def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementation: str = "auto",
-           scale: float, window: int | None = None, keys_transposed: bool = False,
+           scale: float, window: int | None = None, soft_cap: float | None = None, keys_transposed: bool = False,
            queries_are_keys: bool = False):
     """Attention of `q` over `S` keys under `mask` (see the module docstring for the formula).
 
@@ -158,6 +213,7 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementati
       implementation: a name in `IMPLEMENTATIONS`.
       scale: the score scale (`head_dim ** -0.5`).
       window: a local window (keys within the last `window` slots of the query's), or None.
+      soft_cap: scores become `soft_cap · tanh(score / soft_cap)` (after `scale`), or None.
       queries_are_keys: the queries are the keys' own slots (`S = L`, `query_slot =
         arange(L)`: a self-attention pass without a cache), where the kernels apply.
 
@@ -167,18 +223,19 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementati
     kh, s = v_BxKxSxH.shape[1], v_BxKxSxH.shape[2]
     queries_are_keys = queries_are_keys and not keys_transposed and s == l
     impl = choose(implementation, num_queries=l, num_keys=s, num_groups=n // kh, queries_are_keys=queries_are_keys,
-                  dtype=q_BxLxNxH.dtype)
+                  dtype=q_BxLxNxH.dtype, soft_cap=soft_cap)
     if impl == "splash":
-        return _kernels.splash(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window)
+        return _kernels.splash(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,
+                               soft_cap=soft_cap, mesh=current_kernel_mesh())
     if impl == "cudnn":
         fallback = functools.partial(chunked, q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window)
         return _kernels.span_rotated(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,
                                      implementation="cudnn", fallback=fallback)
     if impl == "dense":
-        return dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window,
+        return dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window, soft_cap=soft_cap,
                      keys_transposed=keys_transposed)
     if impl == "chunked":
-        return chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window,
+        return chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask, scale=scale, window=window, soft_cap=soft_cap,
                        keys_transposed=keys_transposed)
     raise NotImplementedError(f"attention={impl!r}")
 
@@ -190,7 +247,7 @@ _K_BLOCK = 256
 
 
 def chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float, window: int | None = None,
-            keys_transposed: bool = False, q_block: int = _Q_BLOCK, k_block: int = _K_BLOCK):
+            soft_cap: float | None = None, keys_transposed: bool = False, q_block: int = _Q_BLOCK, k_block: int = _K_BLOCK):
     """Memory-efficient attention (Rabe & Staats 2021; FlashAttention's online softmax).
 
     For each block of `q_block` queries, a loop over the key blocks that the causal and
@@ -204,6 +261,9 @@ def chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: floa
     saved `q, k, v, o, lse`: with `D = Σ_h dO·o`,
 
         dv += pᵀ dO,   ds = p ⊙ (dO vᵀ − D) · scale,   dq += ds k,   dk += dsᵀ q.
+
+    With a soft cap the scores `s = c·tanh(x/c)` and `ds` takes the factor
+    `ds/dx = 1 − (s/c)²` (the derivative of tanh, from the recomputed capped score).
 
     Memory is O(L·(q_block + H)) for the scores and O(S·H) for the key/value gradients,
     forward and backward; nothing of size L×S. Same arguments and result as `dense`.
@@ -226,7 +286,7 @@ def chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: floa
         values = jnp.pad(values, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
         key_valid = jnp.pad(key_valid, ((0, 0), (0, sp - s)))
     out = _flash(q_BxKxGxLxH, keys, values.astype(keys.dtype), key_valid, q_slot,
-                 _Static(float(scale), window, bq, bk))
+                 _Static(float(scale), window, None if soft_cap is None else float(soft_cap), bq, bk))
     out = out[:, :, :, :l].transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
     return jnp.where(_query_valid_BxL(mask)[:, :, None, None], out, 0).astype(q_BxLxNxH.dtype)
 
@@ -234,6 +294,7 @@ def chunked(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: floa
 class _Static(NamedTuple):
     scale: float
     window: int | None
+    soft_cap: float | None
     bq: int
     bk: int
 
@@ -247,7 +308,8 @@ def _key_block_range(slots_Q: jax.Array, st: _Static, num_k_blocks: int):
 
 def _block_scores(q_BxKxGxQxH, k_BxKxCxH, valid_BxC, slots_Q, j, st: _Static):
     """Scaled float32 scores of one (query block, key block) pair and where they are allowed."""
-    s = jnp.einsum("BKGQH,BKCH->BKGQC", q_BxKxGxQxH, k_BxKxCxH, preferred_element_type=jnp.float32) * st.scale
+    s = capped(jnp.einsum("BKGQH,BKCH->BKGQC", q_BxKxGxQxH, k_BxKxCxH, preferred_element_type=jnp.float32)
+                * st.scale, st.soft_cap)
     key_slot_C = j * st.bk + jnp.arange(st.bk)
     ok_QxC = key_slot_C[None, :] <= slots_Q[:, None]
     if st.window is not None:
@@ -332,6 +394,8 @@ def _flash_bwd(st: _Static, res, do):
             dv_blk = jnp.einsum("BKGQC,BKGQH->BKCH", p, do_blk)
             dp = jnp.einsum("BKGQH,BKCH->BKGQC", do_blk, v_blk.astype(jnp.float32))
             ds = p * (dp - d_blk[..., None]) * st.scale
+            if st.soft_cap is not None:  # d(c·tanh(x/c))/dx = 1 − tanh², zero where not allowed
+                ds = ds * jnp.where(allowed, 1.0 - jnp.square(sc / st.soft_cap), 0.0)
             dq = dq + jnp.einsum("BKGQC,BKCH->BKGQH", ds, k_blk.astype(jnp.float32))
             dk_blk = jnp.einsum("BKGQC,BKGQH->BKCH", ds, q_blk.astype(jnp.float32))
             add = lambda acc, x: lax.dynamic_update_slice_in_dim(

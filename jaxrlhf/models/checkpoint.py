@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.models.config import RUNTIME_FIELDS, ModelConfig, UnsupportedConfigError, from_hf_config, to_hf_dict
+from jaxrlhf.models.config import (RUNTIME_FIELDS, ModelConfig, UnsupportedConfigError, check_model_type,
+                                   from_hf_config, to_hf_dict)
 from jaxrlhf.models.hf_layout import (  # noqa: F401  (_trunk_tensors, _head_tensors: used by tests)
     _get, _head_tensors, _LayerOf, _param_of, _params_of, _set, _Tensor, _trunk_tensors)
 from jaxrlhf.models.transformer import HEADS, Transformer, stack_layers
@@ -39,7 +40,6 @@ _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 # Buffers that some transformers versions wrote into checkpoints; never parameters.
 _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq", "rotary_emb.inv_freq")
 _ARCH_HEADS = (("ForCausalLM", "lm"), ("ForSequenceClassification", "score"))
-_ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
@@ -83,11 +83,11 @@ def _read_config_json(path: str) -> dict:
         raise CheckpointError(
             f"{cfg_file}: `auto_map` {sorted(raw['auto_map'])} asks for the repository's own "
             "Python code (trust_remote_code); jaxrlhf never executes checkpoint code. Only "
-            f"standard {sorted(_ARCH_PREFIX)} checkpoints are supported")
-    model_type = raw.get("model_type")
-    if model_type not in _ARCH_PREFIX:
-        raise UnsupportedConfigError(f"{cfg_file}: model_type={model_type!r} is not supported; "
-                                     f"supported families: {sorted(_ARCH_PREFIX)}")
+            "the standard transformers families are supported (docs/models.md)")
+    try:
+        check_model_type(raw.get("model_type"))
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(str(e).replace("config.json", cfg_file, 1)) from None
     return raw
 
 
@@ -398,7 +398,7 @@ def save_pretrained(
 
 def random_init(config: ModelConfig, *, head: str = "lm", seed: int = 0) -> tuple[Transformer, dict]:
     """A randomly initialised `(Transformer, params)`, HF-style: kernels and embeddings
-    N(0, 0.02), norm scales one, biases zero.
+    N(0, 0.02), norm gains one (Gemma: scales zero, its gain is 1 + w), biases zero.
 
     The same pytree as `init_params`, drawn with numpy tensor by tensor, without running
     (or compiling) a forward pass. A scanned config gets the same values, stacked
@@ -411,8 +411,8 @@ def random_init(config: ModelConfig, *, head: str = "lm", seed: int = 0) -> tupl
     params: dict = {}
     for t in _trunk_tensors(config) + _head_tensors(config, head):
         kind = t.path[-1]
-        if kind == "scale":
-            w = np.ones(t.shape, np.float32)
+        if kind == "scale":  # a norm's unit gain: 1, or 0 for Gemma's (1 + w)
+            w = np.full(t.shape, 0.0 if config.norm_plus_one else 1.0, np.float32)
         elif kind == "bias":
             w = np.zeros(t.shape, np.float32)
         else:

@@ -10,6 +10,7 @@
 | `...q_proj.bias` `[N*H]` (k, v: `[K*H]`), `...o_proj.bias` `[D]` | `.../bias` `[N, H]`, `[K, H]`, `[D]` | reshape |
 | `...q_norm.weight`, `...k_norm.weight` `[H]` (Qwen3) | `.../q_norm/scale` | as is |
 | `...input_layernorm.weight`, `...post_attention_layernorm.weight`, `model.norm.weight` | `.../scale` | as is |
+| `...pre_feedforward_layernorm.weight`, `...post_feedforward_layernorm.weight` (Gemma 2/3) | `.../scale` | as is |
 | `...mlp.{gate,up}_proj.weight` `[F, D]`, `...mlp.down_proj.weight` `[D, F]` | `.../kernel` `[D, F]`, `[F, D]` | `W.T` |
 | `lm_head.weight` `[V, D]` (absent when tied) | `lm_head/kernel` `[D, V]` | `W.T` |
 | `score.weight` `[1, D]` (`*ForSequenceClassification`) | `score/kernel` `[D, 1]` | `W.T` |
@@ -106,7 +107,9 @@ def _trunk_tensors(c: ModelConfig) -> list[_Tensor]:
         if c.qk_norm:
             for name in ("q_norm", "k_norm"):
                 out.append(_Tensor(f"{hf}self_attn.{name}.weight", (us, "self_attn", name, "scale"), (h,)))
-        for name in ("input_layernorm", "post_attention_layernorm"):
+        norms = ("input_layernorm", "post_attention_layernorm") + (
+            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if c.sandwich_norms else ())
+        for name in norms:
             out.append(_Tensor(f"{hf}{name}.weight", (us, name, "scale"), (d,)))
         for name, shape in (("gate_proj", (d, f)), ("up_proj", (d, f)), ("down_proj", (f, d))):
             out.append(_Tensor(f"{hf}mlp.{name}.weight", (us, "mlp", name, "kernel"), shape, 1))

@@ -1,7 +1,10 @@
 """The decoder-only transformer shared by the actor, critic, reference and reward model.
 
-Pre-norm RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP:
-the Llama / Qwen2 / Qwen3 families, which differ only in switches of `ModelConfig`.
+Pre-norm RMSNorm, rotary position embeddings, grouped-query attention and a gated MLP:
+the Llama / Qwen2 / Qwen3 / Mistral / Gemma / Gemma 2 / Gemma 3 text families, which differ
+only in switches of `ModelConfig` (Gemma's `x·(1+w)` norms, GeGLU, scaled embeddings,
+sandwich norms and soft-capping; local sliding-window layers, each kind of layer with its
+own rotary base).
 
 Parameters are a plain pytree whose names mirror the Hugging Face checkpoint (`layers_3`
 ↔ `model.layers.3`), and every parameter carries logical axis names (`vocab`, `embed`,
@@ -123,18 +126,29 @@ def positions_from_mask(mask_BxS: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm with float32 statistics: `w · x̂` (Llama: `x̂` cast to the compute dtype, then
+    scaled), or with `plus_one` Gemma's `(1 + w) · x̂` in float32, then cast (its `w` starts at 0)."""
+
     eps: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     axis: str = "norm"
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
-                           (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", nn.with_logical_partitioning(init, (self.axis,)), (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def _norm(c: ModelConfig, name: str, axis: str = "norm") -> RMSNorm:
+    """The config's RMSNorm, named `name`."""
+    return RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), axis, c.norm_plus_one, name=name)
 
 
 def _rows_matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
@@ -205,7 +219,10 @@ def _rotate(x_BxLxNxH, cos_BxLxH, sin_BxLxH):
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention; `window`: a local layer's sliding window, or None."""
+
     config: ModelConfig
+    window: int | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask: AttentionMask, kv: KVCache | None, cache_index,
@@ -223,8 +240,8 @@ class Attention(nn.Module):
         key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
-            key = RMSNorm(c.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(key)
+            q = _norm(c, "q_norm", "head_dim")(q)
+            key = _norm(c, "k_norm", "head_dim")(key)
         q = _rotate(q, cos_BxLxH[:, tail], sin_BxLxH[:, tail]).astype(dt)
         # Keys/values are head-major (kv heads before positions) so that both attention
         # matmuls read the cache in place; a [B, S, K, H] cache costs a full transpose of it
@@ -242,7 +259,8 @@ class Attention(nn.Module):
             keys, values, keys_transposed = kv.k, kv.v, True
         if queries is not None:
             mask = AttentionMask(mask.key_valid, mask.query_slot[-queries:])
-        out_BxLxNxH = attention.attend(q, keys, values, mask, implementation=c.attention, scale=h ** -0.5,
+        out_BxLxNxH = attention.attend(q, keys, values, mask, implementation=c.attention, scale=c.attention_scale,
+                                       window=self.window, soft_cap=c.attn_logit_softcapping,
                                        keys_transposed=keys_transposed, queries_are_keys=kv is None and queries is None)
         out = proj("o_proj", (n, h, d), ("q_heads", "head_dim", "embed"), ("embed",) if c.o_bias else None,
                    n_out=1)(out_BxLxNxH)
@@ -262,24 +280,40 @@ class MLP(nn.Module):
                                                        name=name)
         gate = proj("gate_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         up = proj("up_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
-        return proj("down_proj", (f, d), ("mlp", "embed"), bias("embed"))(jax.nn.silu(gate) * up)
+        act = _ACTIVATIONS[c.hidden_act]
+        return proj("down_proj", (f, d), ("mlp", "embed"), bias("embed"))(act(gate) * up)
+
+
+# `ModelConfig.hidden_act` -> the gate's activation (SwiGLU, GeGLU with tanh-approximated GELU).
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm layer. With `config.sandwich_norms` (Gemma 2/3) the attention output is
+    normed (`post_attention_layernorm`) before the residual add, and the MLP sits between
+    `pre_feedforward_layernorm` and `post_feedforward_layernorm`; otherwise
+    `post_attention_layernorm` is the MLP's input norm (Llama). `local`: a sliding-window
+    layer (`config.sliding_window`)."""
+
     config: ModelConfig
+    local: bool = False
 
     @nn.compact
     def __call__(self, x_BxLxD, cos, sin, mask: AttentionMask, kv, cache_index, queries: int | None = None):
         c = self.config
-        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-        attn_out, kv = Attention(c, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dt, pdt, name="input_layernorm")(x_BxLxD), cos, sin, mask, kv, cache_index,
-            queries)
+        window = c.sliding_window if self.local else None
+        attn_out, kv = Attention(c, window, name="self_attn")(
+            _norm(c, "input_layernorm")(x_BxLxD), cos, sin, mask, kv, cache_index, queries)
         if queries is not None:
             x_BxLxD = x_BxLxD[:, -queries:]
+        if c.sandwich_norms:
+            attn_out = _norm(c, "post_attention_layernorm")(attn_out)
         x_BxLxD = x_BxLxD + attn_out
-        x_BxLxD = x_BxLxD + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, pdt, name="post_attention_layernorm")(x_BxLxD))
-        return x_BxLxD, kv
+        mlp_out = MLP(c, name="mlp")(_norm(c, "pre_feedforward_layernorm" if c.sandwich_norms
+                                           else "post_attention_layernorm")(x_BxLxD))
+        if c.sandwich_norms:
+            mlp_out = _norm(c, "post_feedforward_layernorm")(mlp_out)
+        return x_BxLxD + mlp_out, kv
 
 
 class Transformer(nn.Module):
@@ -350,13 +384,9 @@ class Transformer(nn.Module):
                 position_ids = jax.lax.dynamic_slice_in_dim(positions_from_mask(mask), cache_index, l, axis=1)
             attn_mask = AttentionMask(mask, cache_index + jnp.arange(l, dtype=jnp.int32))
 
-        inv_freq = jnp.asarray(c.inv_freq(), jnp.float32)
-        angles = position_ids.astype(jnp.float32)[..., None] * inv_freq
-        # The two halves share their angles: XLA:CPU calls scalar libm sin/cos per element,
-        # so taking them on the half and duplicating halves that cost.
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-        cos = jnp.concatenate([cos, cos], axis=-1).astype(dt)
-        sin = jnp.concatenate([sin, sin], axis=-1).astype(dt)
+        shared = _rope(c, position_ids, False)  # local layers differ only with a base of their own
+        ropes = {local: _rope(c, position_ids, True) if local and c.local_rope_theta is not None else shared
+                 for local in set(c.local_layers())}
 
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=pdt,
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")),
@@ -368,20 +398,22 @@ class Transformer(nn.Module):
             plain = c.lora is not None and not self.is_initializing() and not lora_lib.has_adapters(
                 self.get_variable("params", "layers"))
             layers = self.param("layers", _init_stacked_layers, c.replace(lora=None) if plain else c)
-            x, new_cache = scan_layers(c, layers, x, cos, sin, attn_mask, cache, cache_index,
+            x, new_cache = scan_layers(c, layers, _embed_scaled(c, x), ropes, attn_mask, cache, cache_index,
                                        last_position_only=last_position_only)
         else:
+            x = _embed_scaled(c, x)
             # `queries` (argument 7, counting self) is a Python int or None that shapes the layer.
             layer_cls = DecoderLayer if c.remat == "none" else nn.remat(
                 DecoderLayer, static_argnums=(7,), policy=remat_policy(c))
             new_cache = []
-            for i in range(c.num_layers):
+            for i, local in enumerate(c.local_layers()):
                 queries = 1 if last_position_only and i == c.num_layers - 1 else None
-                x, kv = layer_cls(c, name=f"layers_{i}")(x, cos, sin, attn_mask,
-                                                          None if cache is None else cache[i], cache_index, queries)
+                x, kv = layer_cls(c, local, name=f"layers_{i}")(x, *ropes[local], attn_mask,
+                                                                 None if cache is None else cache[i], cache_index,
+                                                                 queries)
                 new_cache.append(kv)
             new_cache = None if cache is None else tuple(new_cache)
-        hidden = RMSNorm(c.rms_norm_eps, dt, pdt, name="norm")(x)
+        hidden = _norm(c, "norm")(x)
 
         logits = values = None
         if self.head in ("lm", "lm_value") and compute_logits:
@@ -397,12 +429,33 @@ class Transformer(nn.Module):
         return ModelOutput(logits, values, hidden, new_cache)
 
     def lm_logits(self, hidden_BxLxD, embed: nn.Embed):
+        """The LM head's logits `[B, L, V]` (soft-capped where the config says)."""
         c = self.config
         if c.tie_word_embeddings:
             dt = jnp.dtype(c.dtype)  # `embed.attend`, with the rows flattened
-            return _rows_matmul(hidden_BxLxD.astype(dt), embed.embedding.astype(dt).T)
-        return Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None, jnp.dtype(c.dtype),
-                          jnp.dtype(c.param_dtype), lora=_adapter(c, lora_lib.LM_HEAD), name="lm_head")(hidden_BxLxD)
+            logits = _rows_matmul(hidden_BxLxD.astype(dt), embed.embedding.astype(dt).T)
+        else:
+            logits = Projection((c.hidden_size, c.vocab_size), ("embed", "vocab"), None, jnp.dtype(c.dtype),
+                                jnp.dtype(c.param_dtype), lora=_adapter(c, lora_lib.LM_HEAD),
+                                name="lm_head")(hidden_BxLxD)
+        return attention.capped(logits, c.final_logit_softcapping)
+
+
+def _rope(c: ModelConfig, position_ids_BxL: jax.Array, local: bool):
+    """`(cos, sin)` `[B, L, head_dim]` in the compute dtype for the global or local layers."""
+    inv_freq = jnp.asarray(c.inv_freq(local), jnp.float32)
+    angles = position_ids_BxL.astype(jnp.float32)[..., None] * inv_freq
+    # The two halves share their angles: XLA:CPU calls scalar libm sin/cos per element,
+    # so taking them on the half and duplicating halves that cost.
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    dt = jnp.dtype(c.dtype)
+    return jnp.concatenate([cos, cos], axis=-1).astype(dt), jnp.concatenate([sin, sin], axis=-1).astype(dt)
+
+
+def _embed_scaled(c: ModelConfig, x_BxLxD: jax.Array) -> jax.Array:
+    """Gemma's embeddings times `sqrt(hidden_size)` (rounded to the compute dtype, as
+    transformers rounds it to the weights'); other families' as they are."""
+    return x_BxLxD * jnp.asarray(c.hidden_size ** 0.5, x_BxLxD.dtype) if c.scale_embeddings else x_BxLxD
 
 
 def _init_stacked_layers(rng: jax.Array, config: ModelConfig):
@@ -426,9 +479,13 @@ def _save_all_but_layout(prim, *_, **__) -> bool:
     return prim.name not in _LAYOUT_OPS
 
 
-def scan_layers(config: ModelConfig, layers, x_BxLxD, cos, sin, mask: AttentionMask, cache: KVCache | None,
+def scan_layers(config: ModelConfig, layers, x_BxLxD, ropes, mask: AttentionMask, cache: KVCache | None,
                 cache_index, *, last_position_only: bool = False):
     """The decoder stack as one `jax.lax.scan` over stacked layer params: `(x, cache)`.
+
+    `ropes`: `{local: (cos, sin)}` for the kinds of layer the stack has. A stack of local
+    and global layers (Gemma 2/3) scans over `config.local_layers()` too, and each step
+    runs its kind through a `lax.cond` (both kinds compiled once).
 
     Step i applies `DecoderLayer` with params `layers[i]` (every leaf `[n, ...]`) to the
     carried `x`; the cache (`[B, n, ...]` leaves, see `KVCache`) is carried whole, and step
@@ -448,16 +505,24 @@ def scan_layers(config: ModelConfig, layers, x_BxLxD, cos, sin, mask: AttentionM
     c = config
     n = c.num_layers
 
-    def layer(p, x, kv, queries):
-        return DecoderLayer(c).apply({"params": p}, x, cos, sin, mask, kv, cache_index, queries)
+    def one_kind(p, x, kv, queries, local):
+        return DecoderLayer(c, local).apply({"params": p}, x, *ropes[local], mask, kv, cache_index, queries)
 
     policy = _save_all_but_layout if c.remat == "none" else remat_policy(c)
-    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False, static_argnums=(3,))
+    one_kind = jax.checkpoint(one_kind, policy=policy, prevent_cse=False, static_argnums=(3, 4))
+    kinds = sorted(ropes)
     layer_of = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, axis=1, keepdims=False)
 
     def body(carry, xs):
         x, stacked = carry
-        p, i = xs
+        p, i, is_local = xs
+
+        def layer(p, x, kv, queries):
+            if len(kinds) == 1:
+                return one_kind(p, x, kv, queries, kinds[0])
+            return jax.lax.cond(is_local, lambda: one_kind(p, x, kv, queries, True),
+                                lambda: one_kind(p, x, kv, queries, False))
+
         kv = None if stacked is None else jax.tree.map(lambda a: layer_of(a, i), stacked)
         if last_position_only:
             def last():
@@ -470,7 +535,8 @@ def scan_layers(config: ModelConfig, layers, x_BxLxD, cos, sin, mask: AttentionM
             stacked = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u, i, axis=1), stacked, kv)
         return (x, stacked), None
 
-    (x, cache), _ = jax.lax.scan(body, (x_BxLxD, cache), (layers, jnp.arange(n, dtype=jnp.int32)))
+    xs = (layers, jnp.arange(n, dtype=jnp.int32), jnp.asarray(c.local_layers(), bool))
+    (x, cache), _ = jax.lax.scan(body, (x_BxLxD, cache), xs)
     return (x[:, -1:] if last_position_only else x), cache
 
 
@@ -508,13 +574,14 @@ def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.
     Lets callers project only the positions they need (the sampler's last prompt token, or
     chunks of a long response) instead of materialising `[B, L, V]` logits.
     """
-    return _rows_matmul(hidden_BxLxD.astype(jnp.dtype(config.dtype)), lm_head_weight(config, params))
+    logits = _rows_matmul(hidden_BxLxD.astype(jnp.dtype(config.dtype)), lm_head_weight(config, params))
+    return attention.capped(logits, config.final_logit_softcapping)
 
 
 def lm_head_weight(config: ModelConfig, params) -> jax.Array:
     """The LM head as `w [D, V]` in the compute dtype: `embedding.T` when tied, else the
     `lm_head` kernel, with its LoRA adapter folded in when it has one (what
-    `project_logits` multiplies by)."""
+    `project_logits` multiplies by, before any final soft cap)."""
     dt = jnp.dtype(config.dtype)
     if config.tie_word_embeddings:
         return params["embed_tokens"]["embedding"].astype(dt).T
@@ -525,7 +592,7 @@ def lm_head_weight(config: ModelConfig, params) -> jax.Array:
 
 
 def init_params(model: Transformer, rng: jax.Array, *, seq_len: int = 8):
-    """Random parameters (HF-style N(0, 0.02) init, norms at 1) as a plain pytree."""
+    """Random parameters (HF-style N(0, 0.02) init, norm gains 1) as a plain pytree."""
     variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
     return nn.unbox(variables["params"])
 

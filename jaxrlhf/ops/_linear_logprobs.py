@@ -68,6 +68,7 @@ class _Plan(NamedTuple):
     vocab_block: int
     with_entropy: bool
     with_argmax: bool
+    soft_cap: float | None = None
 
 
 def _bits(x):
@@ -93,6 +94,14 @@ def _columns(w_DxV, k, plan: _Plan):
     return lax.switch(k, [functools.partial(lambda s, w: w[:, s:s + vb], s) for s in starts], w_DxV)
 
 
+def _logits(h_CxD, w_blk, inv_tau, plan: _Plan):
+    """`z = cap(h @ w)/τ` in float32, `cap(x) = c·tanh(x/c)` with `plan.soft_cap` c."""
+    x = (h_CxD @ w_blk).astype(jnp.float32)
+    if plan.soft_cap is not None:
+        x = plan.soft_cap * jnp.tanh(x / plan.soft_cap)
+    return x * inv_tau
+
+
 def _block(h_CxD, w_DxV, inv_tau, k, plan: _Plan):
     """Block `k` of the logits: `(z [C, Vb] float32, w block, column ids [Vb], valid [Vb] or
     None, start)`.
@@ -103,14 +112,12 @@ def _block(h_CxD, w_DxV, inv_tau, k, plan: _Plan):
     """
     v, vb = w_DxV.shape[1], plan.vocab_block
     if vb == v:
-        z = (h_CxD @ w_DxV).astype(jnp.float32) * inv_tau
-        return z, w_DxV, jnp.arange(v), None, 0
+        return _logits(h_CxD, w_DxV, inv_tau, plan), w_DxV, jnp.arange(v), None, 0
     start = jnp.minimum(k * vb, v - vb)
     w_blk = _columns(w_DxV, k, plan)
     cols = start + jnp.arange(vb)
     valid = cols >= k * vb
-    z = (h_CxD @ w_blk).astype(jnp.float32) * inv_tau
-    return jnp.where(valid[None], z, -jnp.inf), w_blk, cols, valid, start
+    return jnp.where(valid[None], _logits(h_CxD, w_blk, inv_tau, plan), -jnp.inf), w_blk, cols, valid, start
 
 
 def _num_blocks(w_DxV, plan: _Plan) -> int:
@@ -199,7 +206,10 @@ def _fused_bwd(plan: _Plan, res, cts):
             if plan.with_entropy:
                 # −p·(log p + H), 0 where p = 0 (masked columns: 0·(−inf)).
                 dz -= jnp.where(p > 0, g_ent_C[:, None] * p * (logp_v + ent_C[:, None]), 0.0)
-            dz = (dz * inv_tau).astype(dtype)
+            dz = dz * inv_tau
+            if plan.soft_cap is not None:  # through c·tanh(x/c): × (1 − tanh²), tanh = z/(τ⁻¹·c); 0 if masked
+                dz = jnp.where(jnp.isfinite(z), dz * (1.0 - jnp.square(z / (inv_tau * plan.soft_cap))), 0.0)
+            dz = dz.astype(dtype)
             dh_CxD = dh_CxD + jnp.dot(dz, w_blk.T, preferred_element_type=f32)
             dw_blk = jnp.dot(h_CxD.T, dz, preferred_element_type=f32)
             if valid is None:
@@ -242,11 +252,13 @@ def linear_logprobs(
     with_argmax: bool = False,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    soft_cap: float | None = None,
 ) -> LinearLogprobs:
-    """Log-probability (and entropy) of each target under `softmax(hidden @ w / τ)`, without
-    the `[B, T, V]` logits.
+    """Log-probability (and entropy) of each target under `softmax(cap(hidden @ w) / τ)`,
+    without the `[B, T, V]` logits.
 
-        z = (hidden[b, t] @ w)/τ             (matmul in the inputs' dtype, then float32)
+        z = cap(hidden[b, t] @ w)/τ          (matmul in the inputs' dtype, then float32)
+        cap(x) = c·tanh(x/c) with `soft_cap` c (Gemma 2's final-logit soft-capping), else x
         logp[b, t] = z_y − logsumexp_v z_v,   y = targets[b, t]
         entropy[b, t] = logsumexp_v z_v − Σ_v p_v z_v = −Σ_v p_v log p_v,   p = softmax(z)
 
@@ -267,6 +279,8 @@ def linear_logprobs(
         ∂logp/∂z_v = 1[v = y] − p_v          ∂H/∂z_v = −p_v·(log p_v + H)
         dz = (ḡ_logp·∂logp/∂z + ḡ_H·∂H/∂z)/τ     dhidden = dz·wᵀ      dw = hiddenᵀ·dz
 
+    (with a soft cap, `dz` also takes the factor `1 − tanh²(x/c) = 1 − (τ·z/c)²`)
+
     `dz` is cast to the inputs' dtype for the two matmuls; `dhidden` (over vocabulary
     blocks) and `dw` (over row chunks) are accumulated in float32 and cast back at the end.
     Differentiable in `hidden` and `w`; the temperature is held constant (`stop_gradient`:
@@ -286,6 +300,7 @@ def linear_logprobs(
         `2**22 / vocab_chunk_size` (16 MiB of float32 logits per block), split evenly.
       vocab_chunk_size: vocabulary columns per block; `None`: all of `V` up to 32,768,
         else 8,192. Larger than `V` means `V`.
+      soft_cap: `c > 0` caps the logits at ±c smoothly before the temperature, or None.
 
     Returns:
       `LinearLogprobs(logp, entropy, argmax)`: `[B, T]` float32 log-probs, `[B, T]` float32
@@ -308,6 +323,8 @@ def linear_logprobs(
     _checks.positive(fn, "temperature", temperature)
     _positive_int(fn, "chunk_size", chunk_size)
     _positive_int(fn, "vocab_chunk_size", vocab_chunk_size)
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{fn}: `soft_cap` must be a positive float or None, got {soft_cap!r}")
 
     v, n = w.shape[1], b * t
     if vocab_chunk_size is None:
@@ -320,7 +337,7 @@ def linear_logprobs(
     n_chunks = -(-n // c)
     pad = n_chunks * c - n
 
-    plan = _Plan(vb, bool(with_entropy), bool(with_argmax))
+    plan = _Plan(vb, bool(with_entropy), bool(with_argmax), None if soft_cap is None else float(soft_cap))
     inv_tau = lax.stop_gradient(1.0 / jnp.asarray(temperature, jnp.float32))
     h_NxD = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0)))
     y_N = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad))

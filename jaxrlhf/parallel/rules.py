@@ -40,6 +40,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrlhf.models import attention
 from jaxrlhf.models.transformer import Transformer, init_params
 
 logger = logging.getLogger(__name__)
@@ -523,6 +524,15 @@ def jit_step(
         state_shardings, batch_shardings(batch, mesh, rules), repl), out_shardings=(state_shardings, repl))
         .lower(state, batch, rng))
     return call
+
+
+def kernel_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """`models.attention.kernel_mesh` for `mesh` under `rules`: the context in which steps
+    traced by `jax.jit` run the TPU splash kernel per device, batch rows and kv heads split
+    as `rules` split the `batch` and `kv_heads` axes (`with kernel_mesh(mesh, rules): ...`)."""
+    rules = get_rules(rules)
+    return attention.kernel_mesh(mesh, batch_axes=_as_tuple(_lookup(rules, "batch", "kernel_mesh")),
+                                 head_axes=_as_tuple(_lookup(rules, "kv_heads", "kernel_mesh")))
 
 
 def jit_sharded(fn: Callable, *, in_shardings, out_shardings, donate_argnames: Sequence[str] = ()) -> Callable:

@@ -165,9 +165,17 @@ def train(**kw) -> mlc.ConfigDict:
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
-    """Training on preference pairs: kind "reward_model" or "dpo"."""
+    """Training on preference pairs: kind "reward_model" or "dpo".
+
+    The reward model's `pairs`: "task" (the task's synthetic pairs), "policy" (the policy's
+    own samples ranked by the task's reward: `samples_per_prompt` at `temperature` for each
+    of the first `num_prompts` training prompts, 0 = all; `runs.policy_pairs`) or "both".
+    With `samples_per_prompt` > 0 the held-out prompts' on-policy pairs are evaluated too
+    (`eval/policy_pairs/accuracy`), whatever `pairs` is; 0 = no on-policy pairs.
+    """
     opt = kw.pop("optim", {})
-    extra = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_coef=0.0) if kind == "dpo" else {}
+    extra = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_coef=0.0) if kind == "dpo" else dict(
+        pairs="task", samples_per_prompt=0, temperature=1.0, num_prompts=0)
     return mlc.ConfigDict(dict(dict(steps=100, batch_size=32, seed=0, num_microbatches=1, **extra,
                                     optim=optim(**opt)), **kw))
 

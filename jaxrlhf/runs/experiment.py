@@ -116,6 +116,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     The run holds the workdir's lock throughout, and a workdir started with another config
     is refused before anything in it is written (`runs.workdir.claim`), unless every change
     is safe to resume with (`runs.workdir.SAFE_TO_CHANGE`) and `resume_with_changes` is set.
+    Every step compiles under `placement.kernels()` (the splash kernel split over the mesh).
     """
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
@@ -127,7 +128,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     log.info("%s", placement.describe())
-    with claim(workdir, config, resume_with_changes=resume_with_changes):  # the lock, then the config check
+    with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels():
         return _run(config, Path(workdir), placement=placement, sampled=sampled, stops=stops, start=start,
                     should_stop=should_stop)
 
@@ -175,7 +176,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement, early_stop=stops.get("reward_model"))
             extras["reward_model_heldout"] = rm_eval
-            log.info("reward model held-out pair accuracy %.3f", rm_eval["accuracy"])
+            log.info("reward model held-out: %s", ", ".join(f"{k}={v:.4g}" for k, v in rm_eval.items()))
             rm = (rm_model, rm_params)
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))

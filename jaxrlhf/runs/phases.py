@@ -30,7 +30,7 @@ from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
-from jaxrlhf.runs import setup
+from jaxrlhf.runs import policy_pairs, setup
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.stopping import EarlyStop
@@ -238,34 +238,81 @@ def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_
         score_fn=lambda p, batch: placement.fetch(fn(p, placement.put_rows(batch))))
 
 
+def _reward_model_pairs(cfg, train, *, policy_model, policy_params, task: Task, rng, placement: Placement):
+    """`(training pairs, {name: held-out pairs}, stats)` of the reward-model phase as
+    `cfg.pairs` picks them (`runs.policy_pairs`): the task's synthetic pairs, on-policy
+    pairs sampled from `policy_params` and ranked by the task's reward, or both. The
+    held-out sets: the task's synthetic test pairs ("" prefix) when the task has them, and
+    with `cfg.samples_per_prompt` > 0 on-policy pairs of the held-out prompts
+    ("policy_pairs/"; none when every held-out prompt's samples are all right or all wrong)."""
+    pcfg = policy_pairs.PolicyPairsConfig.from_config(cfg)
+    if cfg.pairs in ("task", "both") and task.pairs is None:
+        raise ValueError(f"reward_model.pairs={cfg.pairs!r} needs the task's preference pairs, and task "
+                         f"{task.name!r} has none: set task.num_pairs > 0, or reward_model.pairs='policy'")
+    held_out = {"": task.test_pairs} if task.test_pairs is not None else {}
+    if pcfg is None:
+        return task.pairs, held_out, {}
+    draw = functools.partial(policy_pairs.sample_pairs, policy_model, policy_params, task, cfg=pcfg,
+                             batch_size=train.eval_batch_size, placement=placement)
+    train_rng, test_rng = jax.random.split(rng)
+    test_pairs, test_stats = draw(task.test_prompts, rng=test_rng)
+    if test_stats["pairs"]:
+        held_out["policy_pairs/"] = test_pairs
+    stats = {f"policy_pairs/test_{k}": v for k, v in test_stats.items()}
+    log.info("reward_model: %d held-out on-policy pairs from %d of %d prompts (%d samples each at temperature %g, "
+             "%.3f of them correct)", test_stats["pairs"], test_stats["mixed_prompts"], test_stats["prompts"],
+             pcfg.samples_per_prompt, pcfg.temperature, test_stats["sampled_accuracy"])
+    if not pcfg.train:
+        return task.pairs, held_out, stats
+    pairs, train_stats = draw(policy_pairs.training_prompts(task, pcfg), rng=train_rng)
+    log.info("reward_model: %d on-policy training pairs from %d of %d prompts (%.3f of the samples correct)",
+             train_stats["pairs"], train_stats["mixed_prompts"], train_stats["prompts"],
+             train_stats["sampled_accuracy"])
+    if not train_stats["pairs"]:
+        raise ValueError(f"reward_model.pairs={cfg.pairs!r}: the policy's samples gave no pair (every prompt's "
+                         f"{pcfg.samples_per_prompt} samples all right or all wrong); raise reward_model.temperature "
+                         "or reward_model.samples_per_prompt")
+    if cfg.pairs == "both":
+        pairs = policy_pairs.concat_pairs(task.pairs, pairs, pad_id=task.pad_id)
+    stats.update({f"policy_pairs/train_{k}": v for k, v in train_stats.items()})
+    return pairs, held_out, stats
+
+
 def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
                        placement: Placement | None = None, should_stop=None,
                        early_stop: EarlyStop | None = None):
-    """Bradley–Terry on the task's preference pairs, starting from the policy's trunk.
+    """Bradley–Terry on preference pairs, starting from the policy's trunk.
 
-    Returns `(model, params, held-out metrics)`; the held-out `accuracy` is the fraction
-    of pairs the reward model orders correctly.
+    The pairs (`cfg.pairs`): the task's synthetic ones ("task"), the policy's own samples
+    ranked by the task's reward ("policy", `runs.policy_pairs`), or both. Returns `(model,
+    params, held-out metrics)`; the held-out `accuracy` is the fraction of the task's
+    synthetic test pairs the reward model orders correctly, `policy_pairs/accuracy` that of
+    on-policy pairs from the held-out prompts, and `policy_pairs/{train,test}_*` count the
+    on-policy pairs and the prompts they came from.
     """
     placement = placement or Placement.local()
-    if task.pairs is None:
-        raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0")
+    pairs, held_out, stats = _reward_model_pairs(cfg, train, policy_model=policy_model, policy_params=policy_params,
+                                                 task=task, rng=rng, placement=placement)
     model, params = reward_model.init_from_policy(policy_model, policy_params, seed=cfg.seed)
     rcfg = reward_model.RewardModelConfig(num_microbatches=cfg.num_microbatches)
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     keys = dpo.PAIR_KEYS
-    batches = _batches({k: task.pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement,
-                       "reward_model.batch_size")
+    batches = _batches({k: pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "reward_model.batch_size")
     p_sh = placement.param_shardings(model)
     state, state_sh = placement.init_state(lambda p: reward_model.init_state(p, tx), placement.place(params, p_sh),
                                            params_shardings=p_sh)
     step = _sharded_step(reward_model.make_train_step(model, tx, rcfg), placement, state_sh, cfg.batch_size)
     eval_step = reward_model.make_eval_step(model, rcfg)
-    evaluate = lambda p: _pair_eval(eval_step, p, task.test_pairs, keys, placement)
+
+    def evaluate(p):
+        return {prefix + k: v for prefix, test in held_out.items()
+                for k, v in _pair_eval(eval_step, p, test, keys, placement).items()}
+
     state, _ = run_phase(
-        _phase("reward_model", cfg, train, show=("loss", "accuracy", "eval/accuracy")), workdir=workdir,
-        state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
+        _phase("reward_model", cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
+        workdir=workdir, state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
         eval_fn=lambda s: evaluate(s.params), should_stop=should_stop, **_stopping(early_stop))
-    return model, state.params, evaluate(state.params)
+    return model, state.params, {**evaluate(state.params), **stats}
 
 
 def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,

@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrlhf import data
 from jaxrlhf.parallel import distributed
 from jaxrlhf.parallel.mesh import make_mesh
-from jaxrlhf.parallel.rules import Rules, batch_spec, get_rules, jit_step, param_shardings, state_shardings
+from jaxrlhf.parallel.rules import (Rules, batch_spec, get_rules, jit_step, kernel_mesh, param_shardings,
+                                    state_shardings)
 
 log = logging.getLogger("jaxrlhf")
 
@@ -93,6 +94,11 @@ class Placement:
         shape = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         return (f"mesh ({shape}) over {self.mesh.size} device(s) of {jax.process_count()} process(es), "
                 f"rules {self.rules_name!r}: batch rows split {self.batch_ways} ways")
+
+    def kernels(self):
+        """The context in which the run's steps compile: accelerator kernels that GSPMD does
+        not partition (TPU splash attention) run per device of this mesh (`parallel.kernel_mesh`)."""
+        return kernel_mesh(self.mesh, self.rules)
 
     # ------------------------------------------------------------------ parameters and state
 

@@ -8,6 +8,8 @@ an SFT phase has run (each phase used to check its own shapes when it started, a
 negative `steps` ran nothing and reported success).
 
 Checked for every phase the run will execute (`stopping.run_phases`):
+- the reward model's `pairs` and, for on-policy pairs, their sampling fields
+  (`runs.policy_pairs.PolicyPairsConfig`);
 - counts that must be positive (`steps` of the run's own phases, batch sizes,
   `sampling.num_samples`, minibatches, microbatches, ...) or non-negative (`sft.steps`,
   `train.eval_every`, ...);
@@ -26,6 +28,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from jaxrlhf.models import lora
+from jaxrlhf.runs.policy_pairs import PolicyPairsConfig
 from jaxrlhf.runs.stopping import run_phases
 
 
@@ -69,6 +72,8 @@ def check_values(config) -> None:
     ValueError naming the first key that is not, e.g. `grpo.steps=-3`."""
     _check_minimum("sft.steps", config.sft.steps, 0)  # also when SFT does not run: -1 is not "skip"
     run = run_phases(config)
+    if "reward_model" in run:
+        PolicyPairsConfig.from_config(config.reward_model)  # reward_model.pairs and its sampling fields
     for section in (*run, "train"):
         for field, minimum in _MINIMUM[section].items():
             if section == "sft" and field == "steps" and config.algorithm == "sft":

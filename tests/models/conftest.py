@@ -3,7 +3,8 @@
 Each family is built once per session in PyTorch with *every* weight randomised (HF
 initialises biases to zero and norm scales to one, which would hide a wrongly mapped bias
 or norm), saved with `save_pretrained(safe_serialization=True)`, and read back by the tests.
-Sizes are odd on purpose: 3 layers, 4 query / 2 kv heads, head_dim 16, vocab 300.
+Sizes are odd on purpose: 3 layers, 4 query / 2 kv heads, head_dim 16, vocab 300. The
+families with local layers have a sliding window of 5, shorter than the test prompts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
 PAD = 0
+WINDOW = 5  # the sliding window of the families that have one
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=PAD,
@@ -32,6 +34,17 @@ FAMILIES = {
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=500.0)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000.0)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, rope_theta=1000.0)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=WINDOW, rope_theta=1000.0)),
+    "gemma": ("GemmaConfig", dict(hidden_act="gelu_pytorch_tanh", attention_bias=True)),
+    # Gemma 2: layers local, global, local; caps small enough to bite on these activations.
+    "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0)),
+    # Gemma 3: q/k norms, a local rope base, linear rope scaling on the global layer only.
+    "gemma3": ("Gemma3TextConfig", dict(
+        sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
 }
 
 

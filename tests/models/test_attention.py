@@ -19,8 +19,8 @@ from jaxrlhf.rollout import generate
 
 from .conftest import PAD, VOCAB
 
-def _reference(q, k, v, key_valid, query_slot, scale, window):
-    """float64 loops: o[b, l, n] = Σ_s softmax(scale·q·k over allowed s) v; 0 with no allowed s
+def _reference(q, k, v, key_valid, query_slot, scale, window, soft_cap=None):
+    """float64 loops: o[b, l, n] = Σ_s softmax(cap(scale·q·k) over allowed s) v; 0 with no allowed s
     (and at a padding query, whose own slot is not a real token)."""
     b, l, n, h = q.shape
     kh = k.shape[1]
@@ -36,6 +36,8 @@ def _reference(q, k, v, key_valid, query_slot, scale, window):
                     continue
                 ki = ni // g
                 sc = np.array([scale * q[bi, li, ni] @ k[bi, ki, s] for s in allowed])
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
                 p = np.exp(sc - sc.max())
                 p /= p.sum()
                 out[bi, li, ni] = sum(pi * v[bi, ki, s] for pi, s in zip(p, allowed))
@@ -203,11 +205,11 @@ def _self_attention_case(seed, *, b=4, l=40, n=4, kh=2, h=16, contiguous=True):
     return q, k, v, key_valid, query_slot
 
 
-def _check_against_dense(fn, case, window, atol=1e-5):
+def _check_against_dense(fn, case, window, atol=1e-5, reference=attention.dense):
     q, k, v, key_valid, query_slot = (jnp.asarray(x) for x in case)
     mask = AttentionMask(key_valid, query_slot)
     cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
-    dense = lambda q, k, v: attention.dense(q, k, v, mask, scale=0.3, window=window)
+    dense = lambda q, k, v: reference(q, k, v, mask, scale=0.3, window=window)
     for f, want in ((fn, dense),):
         got_out, got_vjp = jax.vjp(f, q, k, v)
         want_out, want_vjp = jax.vjp(want, q, k, v)
@@ -255,3 +257,34 @@ def test_kernels_refuse_the_wrong_backend_and_resolve_off_self_attention():
     assert attention.choose("auto", **big, platform="tpu") == ("splash" if jax.device_count() == 1 else "chunked")
     assert attention.choose("auto", **big, platform="gpu", dtype=jnp.bfloat16) == "cudnn"
     assert attention.choose("auto", **big, platform="gpu", dtype=jnp.float32) == "chunked"
+
+
+def test_soft_cap_in_every_implementation():
+    """Attention-logit soft-capping (Gemma 2): dense equals the float64 formula; chunked
+    (its hand-written backward) and the splash kernel (interpreted) equal dense in values
+    and gradients; cuDNN, which cannot cap, is refused and never chosen by "auto"."""
+    from jaxrlhf.models import _kernels
+
+    cap = 0.7  # small against the scores (|scale·q·k| up to ~3), so the cap bites
+    q, k, v, key_valid, query_slot = _case(2, b=4, l=9, n=4, kh=2)
+    want = _reference(q.astype(np.float64), k, v, key_valid, query_slot, 0.3, 4, soft_cap=cap)
+    mask = AttentionMask(jnp.asarray(key_valid), jnp.asarray(query_slot))
+    got = attention.dense(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, scale=0.3, window=4, soft_cap=cap)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+    uncapped = _reference(q.astype(np.float64), k, v, key_valid, query_slot, 0.3, 4)
+    assert np.abs(uncapped - want).max() > 1e-2
+
+    case = _self_attention_case(5)
+    capped_dense = lambda q, k, v, mask, **kw: attention.dense(q, k, v, mask, soft_cap=cap, **kw)
+    key_valid = jnp.asarray(case[3])
+    mask = AttentionMask(key_valid, jnp.asarray(case[4]))
+    chunk = lambda q, k, v: attention.chunked(q, k, v, mask, scale=0.3, window=6, soft_cap=cap, q_block=8, k_block=4)
+    _check_against_dense(jax.jit(chunk), case, 6, reference=capped_dense)
+    splash = lambda q, k, v: _kernels.splash(q, k, v, key_valid, scale=0.3, window=None, soft_cap=cap,
+                                             interpret=True)
+    _check_against_dense(jax.jit(splash), case, None, reference=capped_dense)
+
+    big = dict(num_queries=4096, num_keys=4096, num_groups=2, queries_are_keys=True)
+    assert attention.choose("auto", **big, platform="gpu", dtype=jnp.bfloat16, soft_cap=cap) == "chunked"
+    with pytest.raises(ValueError, match="attention='cudnn' cannot soft-cap .*attn_logit_softcapping"):
+        attention.choose("cudnn", **big, platform="gpu", dtype=jnp.bfloat16, soft_cap=cap)

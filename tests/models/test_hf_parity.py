@@ -29,7 +29,7 @@ def test_causal_lm_logits_match_transformers(hf_store, family):
     np.testing.assert_allclose(logits[valid], ref[valid], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3"])
 def test_reward_score_matches_sequence_classification(hf_store, family):
     path, hf_model = hf_store.get(family, "score")
     model, params = load_pretrained(path)

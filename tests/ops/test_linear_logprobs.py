@@ -169,3 +169,27 @@ def test_bad_arguments():
         ops.linear_logprobs(h, w, y, chunk_size=0)
     with pytest.raises(ValueError, match="vocab_chunk_size"):
         ops.linear_logprobs(h, w, y, vocab_chunk_size=2.5)
+
+
+def test_soft_cap_equals_the_plain_path_on_capped_logits():
+    """`soft_cap=c` (Gemma 2's final-logit cap): the plain path on `c·tanh(h @ W / c)`, in
+    values and gradients, over several vocabulary blocks (the last one clamped)."""
+    h, w, y = _inputs(4)
+    cap = 1.5  # |h @ W| reaches ~6: the cap bites
+
+    def plain(h, w, y, tau):
+        logits = cap * jnp.tanh(jnp.einsum("btd,dv->btv", h, w) / cap)
+        return ops.token_logprobs(logits, y, tau), ops.entropy(logits, tau), jnp.argmax(logits, -1)
+
+    def fused(h, w, y, tau):
+        out = ops.linear_logprobs(h, w, y, temperature=tau, with_entropy=True, with_argmax=True, chunk_size=4,
+                                  vocab_chunk_size=5, soft_cap=cap)
+        return out.logp, out.entropy, out.argmax
+
+    want, want_g = jax.jit(functools.partial(_value_and_grads, plain))(h, w, y, TAU)
+    got, got_g = jax.jit(functools.partial(_value_and_grads, fused))(h, w, y, TAU)
+    for a, b in zip(got[:2] + got_g, want[:2] + want_g):
+        _close_to_max(a, b, 1e-5)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+    uncapped = _fused(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), TAU, 4, 5)[0]
+    assert np.abs(np.asarray(uncapped) - np.asarray(got[0])).max() > 0.1

@@ -12,7 +12,7 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The checkout this file lives in, ahead of any installed jaxrlhf (e.g. another worktree's
 # editable install): the subprocess tests the same code as the parent test process.

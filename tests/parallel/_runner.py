@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import _xla
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,6 +25,7 @@ def run_checks(names, out_dir) -> dict:
     """Run `_check_8dev.py` on `names` in a fresh process; `{name: {"ok", "detail"}}`."""
     out = out_dir / "results.json"
     env = checkout_env({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")})
+    env["XLA_FLAGS"] = _xla.flags()  # the check script adds its device count
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_check_8dev.py"), str(out), *names],
                           env=env, capture_output=True, text=True, timeout=900)
     if not out.exists():

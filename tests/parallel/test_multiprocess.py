@@ -18,6 +18,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _xla  # noqa: E402
 from _runner import checkout_env  # noqa: E402
 
 NPROC = 2
@@ -47,6 +48,7 @@ def _reference(steps: int):
 
 def test_two_processes_match_single_process(tmp_path):
     env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_", "JAXRLHF_"))})
+    env["XLA_FLAGS"] = _xla.flags()  # the worker adds its device count
     port = _free_port()
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(NPROC)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_multiproc_worker.py"), str(i), str(NPROC),

@@ -12,6 +12,7 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
+import _xla
 import jax
 import numpy as np
 import pytest
@@ -95,6 +96,7 @@ def test_sharded_placement_matches_one_device(tmp_path):
     8) gives the numbers of one device, for the device and the host reward."""
     out = tmp_path / "mesh.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
+    env["XLA_FLAGS"] = _xla.flags()  # the task script adds its device count
     proc = subprocess.run([sys.executable, str(Path(T.__file__)), str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import _xla
 import numpy as np
 import pytest
 
@@ -38,8 +39,7 @@ TIMEOUT = 600
 def _env(devices: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_", "JAXRLHF_"))}
     env["JAX_PLATFORMS"] = "cpu"
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = _xla.flags(devices)
     return env
 
 
