@@ -158,8 +158,7 @@ def test_reward_forms(params):
     np.testing.assert_allclose(reward.device_scores(inp, {}, rparams)["reward_model"],
                                RM.apply({"params": params["rm"]}, seq, attn).values[jnp.arange(8), last], atol=1e-6)
     host = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), tokenizer=object())
-    with pytest.raises(TypeError, match="host"):
-        scoring.compiled_reward(host)
+    assert scoring.compiled_reward(host) == (host, None)  # scored between two programs (`host_iteration`)
     with pytest.raises(TypeError, match="cannot tell"):
         scoring.compiled_reward(lambda x: x)
 
