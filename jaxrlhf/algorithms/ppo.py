@@ -13,7 +13,9 @@ compiled into one XLA program by `make_iteration`:
               loss = clipped policy loss + vf_coef·clipped value loss − ent_coef·entropy
             → KL controller step (β for the next iteration)
 
-The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
+An iteration is `rollout` (sampling, the reward's JAX components) then `learn` (the rest);
+a reward with host (text) components runs them as two programs with the host scoring in
+between, as GRPO does. The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
 `rollout_metrics`) is in `ppo_rollout`, the score shaping and reward plumbing PPO shares
 with the GRPO family in `scoring`; this module re-exports them.
 
