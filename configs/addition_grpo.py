@@ -32,6 +32,7 @@ def get_config(arg=None):
     c.seed = 0
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, partial_credit=0.5)
+    c.reward = base.reward()  # Python rewards beside the task's: --config.reward.fns=pkg.mod:fn
     c.model = base.model()  # 0.43M parameters: 2 layers, width 128
     c.sft = base.addition_warm_start()
     c.grpo = base.grpo(steps=300, prompts_per_step=64, sampling=dict(max_new_tokens=4, num_samples=8),

@@ -33,6 +33,7 @@ def get_config(arg=None):
     c.seed = 0
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.task(num_digits=2, num_train=8000, num_test=500, partial_credit=0.5)
+    c.reward = base.reward()  # Python rewards beside the task's: --config.reward.fns=pkg.mod:fn
     c.model = base.model()
     c.sft = base.addition_warm_start()
     c.ppo = base.ppo(steps=150, prompts_per_step=128, sampling=dict(max_new_tokens=4), reward="task",

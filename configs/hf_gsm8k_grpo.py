@@ -30,6 +30,7 @@ def get_config(arg=None):
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.jsonl_task(prompt_key="question", answer_key="answer", max_prompt_tokens=256, max_new_tokens=256,
                              chat_template=True, system_prompt="Reason step by step; end with '#### <answer>'.")
+    c.reward = base.reward()  # Python rewards beside the task's: --config.reward.fns=pkg.mod:fn
     c.model = base.model(path="", dtype="bfloat16", param_dtype="float32", remat="full", scan_layers=True)
     c.sft = base.sft(steps=0)
     c.grpo = base.grpo(steps=500, prompts_per_step=32, sampling=dict(max_new_tokens=256, num_samples=8,

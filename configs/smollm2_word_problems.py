@@ -35,6 +35,7 @@ def get_config(arg=None):
     c.seed = 0
     base.parallel(c)  # c.mesh, c.rules: the device mesh and sharding rules (defaults: data=-1, fsdp_tp)
     c.task = base.word_problems_task(num_train=4000, num_test=200, max_new_tokens=48, format_weight=0.2)
+    c.reward = base.reward()  # Python rewards beside the task's: --config.reward.fns=pkg.mod:fn
     c.model = base.model(path="", dtype="float32", param_dtype="float32", remat="full", scan_layers=True)
     c.sft = base.sft(steps=0)
     c.grpo = base.grpo(steps=40, prompts_per_step=8, sampling=dict(max_new_tokens=48, num_samples=4, temperature=1.0),

@@ -9,7 +9,10 @@ Three kinds of reward, all returning one float per response (`N` responses):
   `fn(prompts: list[str], responses: list[str], extras) -> list[float]` (length N). The
   texts are decoded with the tokenizer given to `host_reward`; a response is decoded up to
   (not including) its first EOS and `extras["finished"]` says whether it had one — unless
-  the sampler had no EOS (see below).
+  the sampler had no EOS (see below). `trl_reward` takes a function in TRL's
+  `reward_funcs` convention instead, `fn(prompts=..., completions=..., **row_fields)`, and
+  `import_reward_fn("mypkg.rewards:correct")` finds one by import path. A host reward that
+  raises, returns a NaN/inf or the wrong number of scores is an error naming it.
 - **Reward models**: a JAX callable `(sequences [N, P + T], attention_mask [N, P + T]) ->
   [N]` on prompt ⧺ response, e.g. `reward_model.score_fn(model, params)`. Traced like a
   JAX reward (the parameters it closes over become constants of the compiled program),
@@ -209,7 +212,10 @@ class Reward:
             prompts, _ = _decode(c.tokenizer, inputs.prompt_ids, inputs.prompt_mask, None)
             ex = {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in extras.items()}
             ex.setdefault("finished", finished)
-            scores = c.fn(prompts, responses, ex)
+            try:
+                scores = c.fn(prompts, responses, ex)
+            except Exception as e:  # noqa: BLE001 - any failure of user code, named
+                raise RuntimeError(f"reward {c.name!r} raised {type(e).__name__}: {e}") from e
             try:
                 scores = np.asarray(scores)
             except Exception as e:  # ragged lists and the like
@@ -217,7 +223,12 @@ class Reward:
                                  f"array of floats: {e}") from None
             if scores.dtype == object:
                 raise ValueError(f"reward {c.name!r} returned non-numeric scores; expected {n} floats")
-            out[c.name] = _check_scores(c.name, scores, n, host=True)
+            scores = _check_scores(c.name, scores, n, host=True)
+            bad = np.flatnonzero(~np.isfinite(scores))
+            if bad.size:
+                raise ValueError(f"reward {c.name!r} returned {scores[bad[0]]} for response {bad[0]} "
+                                 f"({bad.size} of {n} scores not finite); return finite floats")
+            out[c.name] = scores
         return out
 
     def total(self, scores: Mapping[str, Any]) -> jax.Array:
@@ -266,6 +277,43 @@ def host_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: flo
     return Reward((Component(fn, "host", _name(fn, name), float(weight), tokenizer, eos_id),))
 
 
+def trl_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: float = 1.0,
+               eos_id: int | None = None) -> Reward:
+    """A host reward in TRL's `reward_funcs` convention, so that reward functions written
+    for TRL run unchanged: `fn(prompts=[...], completions=[...], **fields) -> list[float]`,
+    called with keywords, one entry per response in every list. `fields` are the reward
+    extras except `finished` — for the text tasks, the other fields of each prompt's row
+    (e.g. `answer`), repeated for its samples. Decoding as in `host_reward`."""
+    def call(prompts, responses, extras):
+        fields = {k: list(v) for k, v in extras.items() if k != "finished"}
+        return fn(prompts=prompts, completions=responses, **fields)
+
+    return host_reward(call, tokenizer, name=_name(fn, name), weight=weight, eos_id=eos_id)
+
+
+def import_reward_fn(spec: str) -> Callable:
+    """The callable at import path `spec`, "package.module:function" (a dotted attribute
+    path after the colon works too); a ValueError naming `spec` when it does not import, has
+    no such attribute or is not callable."""
+    import importlib
+
+    module_name, sep, attr = spec.strip().partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: expected an import path 'package.module:function'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
+        raise ValueError(f"reward {spec!r}: module {module_name!r} does not import ({type(e).__name__}: {e}); "
+                         "is its folder on PYTHONPATH?") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
 def model_reward(score_fn: Callable, *, name: str = "reward_model", weight: float = 1.0, takes_params: bool = False,
                  vocab_size: int | None = None) -> Reward:
     """A reward model: `score_fn(sequences [N, P + T], attention_mask [N, P + T]) -> [N]`.
@@ -302,5 +350,5 @@ def combine(weighted: Sequence[tuple[float, Any]]) -> Reward:
     return Reward(tuple(parts))
 
 
-__all__ = ["KINDS", "Component", "Reward", "RewardInput", "as_reward", "combine", "host_reward", "jax_reward",
-           "model_reward"]
+__all__ = ["KINDS", "Component", "Reward", "RewardInput", "as_reward", "combine", "host_reward",
+           "import_reward_fn", "jax_reward", "model_reward", "trl_reward"]

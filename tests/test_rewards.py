@@ -142,3 +142,40 @@ def test_as_reward():
     assert rewards.as_reward(r) is r
     with pytest.raises(TypeError):
         rewards.as_reward(3.0)
+
+
+def test_trl_reward_gets_keywords_and_the_row_fields(monkeypatch, tmp_path):
+    """A function in TRL's `reward_funcs` convention, found by import path, is called with
+    keywords: the decoded prompts and completions and every extra but `finished`."""
+    (tmp_path / "my_trl_rewards.py").write_text(
+        "def has_answer(completions, answer, **kwargs):\n"
+        "    assert 'finished' not in kwargs and len(kwargs['prompts']) == len(completions)\n"
+        "    return [float(a in c) for c, a in zip(completions, answer)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = rewards.import_reward_fn("my_trl_rewards:has_answer")
+    reward = rewards.trl_reward(fn, TOK)
+    inputs = _toy()
+    texts = [TOK.decode(ids[m]) for ids, m in zip(np.asarray(inputs.response_ids), np.asarray(inputs.response_mask))]
+    _, parts = reward(inputs, {"answer": [texts[0][-1], "#", texts[2][0]]})
+    assert reward.names == ("has_answer",)
+    np.testing.assert_array_equal(parts["has_answer"], [1.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("no_such_module_x:fn", r"module 'no_such_module_x' does not import \(ModuleNotFoundError"),
+    ("jaxrlhf.rewards:no_such_fn", r"module 'jaxrlhf.rewards' has no attribute 'no_such_fn'"),
+    ("jaxrlhf.rewards:KINDS", r"'KINDS' is a tuple, not a function"),
+    ("jaxrlhf.rewards", r"expected an import path 'package.module:function'"),
+])
+def test_import_reward_fn_errors_name_the_path(spec, match):
+    with pytest.raises(ValueError, match=rf"reward {spec!r}: {match}"):
+        rewards.import_reward_fn(spec)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda p, r, ex: [1.0, float("nan"), 0.0], r"reward 'bad' returned nan for response 1 \(1 of 3"),
+    (lambda p, r, ex: {}["missing"], r"reward 'bad' raised KeyError: 'missing'"),
+])
+def test_a_host_reward_that_fails_is_named(fn, match):
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        rewards.host_reward(fn, TOK, name="bad")(_toy())

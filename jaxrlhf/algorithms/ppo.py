@@ -13,7 +13,9 @@ compiled into one XLA program by `make_iteration`:
               loss = clipped policy loss + vf_coef·clipped value loss − ent_coef·entropy
             → KL controller step (β for the next iteration)
 
-The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
+An iteration is `rollout` (sampling, the reward's JAX components) then `learn` (the rest);
+a reward with host (text) components runs them as two programs with the host scoring in
+between, as GRPO does. The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
 `rollout_metrics`) is in `ppo_rollout`, the score shaping and reward plumbing PPO shares
 with the GRPO family in `scoring`; this module re-exports them.
 
@@ -65,6 +67,7 @@ from jaxrlhf.algorithms.ppo_rollout import (
 )
 from jaxrlhf.algorithms.scoring import RunningMoments
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.rollout.sampler import SampleOutput
 
 PyTree = Any
 
@@ -428,35 +431,61 @@ def update(
 # One iteration
 
 
-def _phases(actor_model, critic_model, reward: rewards.Reward, tx_actor, tx_critic, cfg: PPOConfig):
-    """The three phases of an iteration as traceable functions."""
-    s = cfg.sampling
+def _keys(rng, state: PPOState):
+    """(sampling key, update key) of the iteration `state.step`."""
+    return jax.random.split(jax.random.fold_in(rng, state.step))
 
-    def rollout(state: PPOState, prompt_ids, prompt_mask, rng):
-        out = sample_responses(actor_model, state.actor.params, prompt_ids, prompt_mask, rng, s)
-        return out.sequences, out.attention_mask, out.logprobs
 
-    def score(state: PPOState, sequences, attention_mask, sampler_logp, extras):
-        p = sequences.shape[1] - s.max_new_tokens
-        roll = score_rollout(actor_model, critic_model, reward, state, sequences, attention_mask, p, cfg,
-                             sampler_logp=sampler_logp, extras=extras)
-        scores, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg)
-        beta = state.kl_ctl.beta
-        adv = compute_advantages(scores, roll.old_logp, roll.ref_logp, roll.values, roll.response_mask, beta, cfg)
-        metrics = rollout_metrics(roll, adv, roll.scores, scores, beta, cfg)
-        batch = dict(sequences=roll.sequences, attention_mask=roll.attention_mask,
-                     response_mask=roll.response_mask, old_logp=roll.old_logp, old_values=roll.values,
-                     advantages=adv.advantages, returns=adv.returns)
-        kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], sequences.shape[0], cfg=cfg.kl_config)
-        metrics["beta_next"] = kl_ctl.beta
-        return state.replace(reward_stats=stats, kl_ctl=kl_ctl), batch, metrics
+def rollout(state: PPOState, prompt_ids, prompt_mask, extras, rng, *, actor_model: Transformer, cfg: PPOConfig,
+            reward: rewards.Reward) -> tuple[SampleOutput, dict]:
+    """Samples `sampling.num_samples` responses per prompt and runs the reward's JAX
+    components (the reward model on `state.reward_params`), given `extras` (`[B, ...]`
+    arrays, repeated per sample). Returns `(SampleOutput [N = B·G], {component: [N]})`."""
+    out = sample_responses(actor_model, state.actor.params, prompt_ids, prompt_mask, _keys(rng, state)[0],
+                           cfg.sampling)
+    extras_n = scoring.repeat_extras(extras, cfg.sampling.num_samples, prompt_ids.shape[0])
+    return out, reward.device_scores(rewards.RewardInput.from_sample(out), extras_n, state.reward_params)
 
-    def train(state: PPOState, batch, rng):
-        state, metrics = update(state, batch, rng, actor_model=actor_model, critic_model=critic_model,
-                                tx_actor=tx_actor, tx_critic=tx_critic, cfg=cfg)
-        return state.replace(step=state.step + 1), metrics
 
-    return rollout, score, train
+def _score(state: PPOState, out: SampleOutput, scores: dict, *, actor_model, critic_model, reward, cfg: PPOConfig):
+    """Forward passes, score shaping, advantages and the KL controller's next β:
+    `(state, training batch, rollout metrics)`."""
+    p = out.sequences.shape[1] - out.response_ids.shape[1]
+    roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
+                         scores, sampler_logp=out.logprobs)
+    processed, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg)
+    beta = state.kl_ctl.beta
+    adv = compute_advantages(processed, roll.old_logp, roll.ref_logp, roll.values, roll.response_mask, beta, cfg)
+    metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg)
+    batch = dict(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=roll.response_mask,
+                 old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns)
+    kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], out.sequences.shape[0], cfg=cfg.kl_config)
+    metrics["beta_next"] = kl_ctl.beta
+    return state.replace(reward_stats=stats, kl_ctl=kl_ctl), batch, metrics
+
+
+def _train(state: PPOState, batch, rng, *, actor_model, critic_model, tx_actor, tx_critic, cfg: PPOConfig):
+    """`update` with the iteration's update key, then the step count."""
+    state, metrics = update(state, batch, _keys(rng, state)[1], actor_model=actor_model, critic_model=critic_model,
+                            tx_actor=tx_actor, tx_critic=tx_critic, cfg=cfg)
+    return state.replace(step=state.step + 1), metrics
+
+
+def _finite(m_roll: dict, m_upd: dict) -> jax.Array:
+    return m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
+
+
+def learn(state: PPOState, out: SampleOutput, scores: dict, rng, *, actor_model: Transformer,
+          critic_model: Transformer | None, reward: rewards.Reward, tx_actor, tx_critic, cfg: PPOConfig,
+          lr_schedule: optax.Schedule | None = None) -> tuple[PPOState, dict]:
+    """The rest of an iteration after `rollout`: `scores` (every component of `reward`,
+    `[N]` each: the JAX ones from `rollout`, the host ones scored in between) → old/ref
+    log-probs and values → score shaping → advantages → K epochs → KL controller step."""
+    lr = {} if lr_schedule is None else {"lr": jnp.asarray(lr_schedule(state.actor.step), jnp.float32)}
+    models = dict(actor_model=actor_model, critic_model=critic_model, cfg=cfg)
+    state, batch, m_roll = _score(state, out, scores, reward=reward, **models)
+    state, m_upd = _train(state, batch, rng, tx_actor=tx_actor, tx_critic=tx_critic, **models)
+    return state, {**m_roll, **m_upd, **lr, "finite": _finite(m_roll, m_upd)}
 
 
 def make_iteration(
@@ -476,13 +505,17 @@ def make_iteration(
     reward_model: any form `scoring.compiled_reward` accepts; a reward model's params are
       read from `state.reward_params` (a `(model, params)` tuple's params are NOT baked in:
       give them to `init_state`). extras: a dict of `[B, ...]` arrays handed to the JAX
-      reward components (repeated for the G samples of a prompt).
+      reward components (repeated for the G samples of a prompt); host components may also
+      get non-array values such as lists of B strings.
     lr_schedule: the actor's schedule, to report `lr`.
     fused=True: rollout, scoring, GAE and all epochs are ONE jitted program. With `donate`
       the trained part of the state (actor, critic and their optimizer states) is donated;
       the frozen reference and reward params are never donated nor copied. fused=False: three jitted phases, with host wall-clock times
       `time_rollout_s`, `time_scoring_s`, `time_update_s` and `tokens_per_s` in the
       metrics (the time split of SPEC §7).
+    A reward with host (text) components always runs as two programs, `rollout` then
+      `learn`, with the host components scored in between (`time/host_reward_s`), as GRPO
+      does.
 
     The RNG of iteration `i` is `fold_in(rng, state.step)`: pass the same base key every time.
     """
@@ -491,44 +524,51 @@ def make_iteration(
     scoring.check_reward_vocab(actor_model.config.vocab_size, reward)
     if not cfg.shared and tx_critic is None:
         raise ValueError("critic='separate' needs tx_critic")
-    rollout, score, train = _phases(actor_model, critic_model, reward, tx_actor, tx_critic, cfg)
-    g = cfg.sampling.num_samples
+    models = dict(actor_model=actor_model, critic_model=critic_model, cfg=cfg)
+    roll = functools.partial(rollout, actor_model=actor_model, cfg=cfg, reward=reward)
+    learn_ = functools.partial(learn, reward=reward, tx_actor=tx_actor, tx_critic=tx_critic, lr_schedule=lr_schedule,
+                               **models)
 
-    def lr_of(state):
-        return {} if lr_schedule is None else {"lr": jnp.asarray(lr_schedule(state.actor.step), jnp.float32)}
+    if not reward.is_jax:
+        j_roll = jax.jit(roll)
+        j_learn = jit_keeping_frozen(learn_, _FROZEN, donate=donate)
+        g = cfg.sampling.num_samples
+
+        def host_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
+            arrays, _ = scoring.split_extras(extras)
+            out, scores = j_roll(state, prompt_ids, prompt_mask, arrays, rng)
+            t0 = time.perf_counter()
+            host = scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id)
+            dt = time.perf_counter() - t0
+            state, metrics = j_learn(state, out, {**scores, **host}, rng)
+            return state, {**metrics, "time/host_reward_s": dt}
+
+        return host_iteration
 
     def fused_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
-        key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
-        lr = lr_of(state)
-        seq, attn, slogp = rollout(state, prompt_ids, prompt_mask, key_sample)
-        state, batch, m_roll = score(state, seq, attn, slogp, scoring.repeat_extras(extras, g, prompt_ids.shape[0]))
-        state, m_upd = train(state, batch, key_update)
-        finite = m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
-        return state, {**m_roll, **m_upd, **lr, "finite": finite}
+        return learn_(state, *roll(state, prompt_ids, prompt_mask, extras, rng), rng)
 
     if fused:
         j_iteration = jit_keeping_frozen(fused_iteration, _FROZEN, donate=donate)
         return lambda state, prompt_ids, prompt_mask, rng, extras=None: j_iteration(
             state, prompt_ids, prompt_mask, rng, extras)
 
-    j_rollout = jax.jit(rollout)
-    j_score = jax.jit(score)
-    j_train = jit_keeping_frozen(train, _FROZEN, donate=donate)
+    j_rollout = jax.jit(roll)
+    j_score = jax.jit(functools.partial(_score, reward=reward, **models))
+    j_train = jit_keeping_frozen(functools.partial(_train, tx_actor=tx_actor, tx_critic=tx_critic, **models),
+                                 _FROZEN, donate=donate)
 
     def timed_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
-        key_sample, key_update = jax.random.split(jax.random.fold_in(rng, state.step))
-        lr = lr_of(state)
+        lr = {} if lr_schedule is None else {"lr": jnp.asarray(lr_schedule(state.actor.step), jnp.float32)}
         t0 = time.perf_counter()
-        seq, attn, slogp = jax.block_until_ready(j_rollout(state, prompt_ids, prompt_mask, key_sample))
+        out, scores = jax.block_until_ready(j_rollout(state, prompt_ids, prompt_mask, extras, rng))
         t1 = time.perf_counter()
-        extras_n = scoring.repeat_extras(extras, g, prompt_ids.shape[0])
-        state, batch, m_roll = jax.block_until_ready(j_score(state, seq, attn, slogp, extras_n))
+        state, batch, m_roll = jax.block_until_ready(j_score(state, out, scores))
         t2 = time.perf_counter()
-        state, m_upd = jax.block_until_ready(j_train(state, batch, key_update))
+        state, m_upd = jax.block_until_ready(j_train(state, batch, rng))
         t3 = time.perf_counter()
-        finite = m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
         tokens = float(m_roll["num_tokens"])
-        return state, {**m_roll, **m_upd, **lr, "finite": finite, "time_rollout_s": t1 - t0,
+        return state, {**m_roll, **m_upd, **lr, "finite": _finite(m_roll, m_upd), "time_rollout_s": t1 - t0,
                        "time_scoring_s": t2 - t1, "time_update_s": t3 - t2,
                        "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
 
@@ -536,5 +576,5 @@ def make_iteration(
 
 
 __all__ = ["CRITIC_MODES", "MISSING_EOS_MODES", "REWARD_WHITENING", "Advantages", "PPOConfig", "PPOState", "Rollout",
-           "RunningMoments", "compute_advantages", "init_state", "loss_fn", "make_iteration", "ppo_loss",
-           "process_scores", "rollout_metrics", "score_rollout", "update"]
+           "RunningMoments", "compute_advantages", "init_state", "learn", "loss_fn", "make_iteration", "ppo_loss",
+           "process_scores", "rollout", "rollout_metrics", "score_rollout", "update"]

@@ -1,7 +1,7 @@
 """PPO's rollout side, from the sampled sequences to the training batch (SPEC §3–§4, §7):
 
     score_rollout       old logp (actor), ref logp (reference), values (critic or the
-                        actor's value head), the reward's score — forward passes only
+                        actor's value head), the reward's total of its components' scores
     process_scores      missing-EOS penalty → whitening → clipping of the scores
     compute_advantages  KL (k1/k2/k3) → shape_rewards(β) → GAE(γ, λ) → whiten
     rollout_metrics     what the rollout looked like (scores, KL, lengths, advantages)
@@ -12,7 +12,7 @@ re-exported by `ppo`, whose iteration composes them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +56,15 @@ def score_rollout(
     attention_mask: jax.Array,
     prompt_len: int,
     cfg: PPOConfig,
+    scores: Mapping[str, Any],
     *,
     sampler_logp: jax.Array | None = None,
-    extras: Any = None,
 ) -> Rollout:
     """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
-    logp, values (critic, or the actor's value head when shared — one pass), and the reward
-    score: `reward`'s weighted total, its JAX components given `extras` (a dict of `[N, ...]`
-    arrays) and its reward model `state.reward_params`. All without gradient."""
+    logp, values (critic, or the actor's value head when shared — one pass), and the
+    score: `reward`'s weighted total of `scores`, `{component: [N]}` for every component
+    (the JAX ones from `ppo.rollout`, the host ones scored on the text). All without
+    gradient."""
     tau = cfg.sampling.temperature
     actor_params = jax.lax.stop_gradient(state.actor.params)
     old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
@@ -75,13 +76,12 @@ def score_rollout(
                                     attention_mask, prompt_len)
     inputs = rewards.RewardInput.from_sequences(sequences, attention_mask, prompt_len)
     response_ids, response_mask = inputs.response_ids, inputs.response_mask
-    parts = reward.device_scores(inputs, {} if extras is None else extras, state.reward_params)
-    reward_metrics = reward.metrics(parts)
-    scores = jnp.asarray(reward.total(parts), jnp.float32).reshape(sequences.shape[0])
+    reward_metrics = reward.metrics(scores)
+    total = jnp.asarray(reward.total(scores), jnp.float32).reshape(sequences.shape[0])
     if sampler_logp is None:
         sampler_logp = old_logp
     return Rollout(sequences, attention_mask, response_ids, response_mask, old_logp, ref_logp, sampler_logp,
-                   values.astype(jnp.float32), jax.lax.stop_gradient(scores),
+                   values.astype(jnp.float32), jax.lax.stop_gradient(total),
                    jax.lax.stop_gradient(dict(reward_metrics)))
 
 

@@ -37,24 +37,19 @@ def compiled_reward(reward) -> tuple[rewards.Reward, PyTree]:
       scored at the last valid token of prompt ⧺ response (`models.score_at_last_token`),
       its params returned apart (give them to `Reward.device_scores`);
     - `Transformer(head="score")`: the same, params given separately;
-    - a `rewards.Reward` of JAX and reward-model components (`rewards.jax_reward`,
-      `rewards.model_reward`, `rewards.combine`); each component's mean is reported as
-      `reward/<name>`;
+    - a `rewards.Reward` (`rewards.jax_reward`, `rewards.model_reward`, `rewards.combine`);
+      each component's mean is reported as `reward/<name>`. Its host (text) components
+      cannot run inside the program: they are scored between two programs (rollout, then
+      the update), which `Reward.is_jax` tells the caller to build;
     - a plain callable: with 3 positional parameters it is taken as
       `fn(response_ids, response_mask, extras)` (`rewards.jax_reward`), with 2 as
       `fn(sequences, attention_mask)` (`rewards.model_reward`).
-
-    Host-side (text) rewards cannot run inside a compiled iteration: score on host and
-    pass a JAX function of the token ids instead.
     """
     if isinstance(reward, tuple) and len(reward) == 2 and isinstance(reward[0], Transformer):
         return reward_model.as_reward(reward[0]), reward[1]
     if isinstance(reward, Transformer):
         return reward_model.as_reward(reward), None
     if isinstance(reward, rewards.Reward):
-        if not reward.is_jax:
-            raise TypeError("a reward with host-side (text) components cannot run inside a jitted iteration; "
-                            "use JAX rewards on token ids or a reward model")
         return reward, None
     if callable(reward):
         try:

@@ -54,12 +54,14 @@ class SkipReport:
 
 class PromptData(NamedTuple):
     """Kept records, column-wise. `prompt_text` is what was tokenized (after any chat
-    template); `answer` is None per record when no answer key was asked for."""
+    template); `answer` is None per record when no answer key was asked for; `fields` the
+    record's other fields as read (all but the prompt's), for rewards that look at them."""
 
     prompt_text: list[str]
     prompt_ids: list[list[int]]
     answer: list[str | None]
     location: list[str]
+    fields: list[dict]
     skipped: SkipReport
 
 
@@ -212,7 +214,8 @@ def prompts_from_records(
         answer = None
         if answer_key is not None:
             answer = _text(_field(record, answer_key, location), answer_key, location, numbers_ok=True)
-        return dict(prompt_text=text, prompt_ids=ids, answer=answer, location=location)
+        fields = {k: v for k, v in record.items() if k != prompt_key}
+        return dict(prompt_text=text, prompt_ids=ids, answer=answer, location=location, fields=fields)
 
     cols, report = _collect(records, parse, on_error=on_error, source=source)
     return PromptData(**{f: cols[f] for f in PromptData._fields if f != "skipped"}, skipped=report)

@@ -49,6 +49,15 @@ def word_problems_task(**kw) -> mlc.ConfigDict:
         **kw))
 
 
+def reward(**kw) -> mlc.ConfigDict:
+    """Python rewards beside the task's own (`runs.tasks.with_python_rewards`): `fns`,
+    comma-separated import paths "pkg.module:function" of functions in TRL's `reward_funcs`
+    convention, `fn(prompts=[...], completions=[...], **row_fields) -> list[float]`;
+    `weights`, one per function ("" = 1.0 each); `task_weight`, the task's own reward's
+    weight (0 = train on yours alone; it is still the held-out `accuracy`)."""
+    return mlc.ConfigDict(dict(dict(fns="", weights="", task_weight=1.0), **kw))
+
+
 def model(**kw) -> mlc.ConfigDict:
     """A fresh model of these sizes, or `path=` a local Hugging Face checkpoint folder.
     `lora`: train low-rank adapters instead of all weights (`lora()`)."""

@@ -7,7 +7,9 @@
 - `reward_model`: Bradley–Terry reward model on preference pairs.
 
 Every phase's counts and batch shapes are checked against the mesh before any work
-(`runs.validation`). Each phase checkpoints under `workdir/<phase>/` and a rerun with the
+(`runs.validation`), and the Python rewards of the `reward` section are imported then too
+(`tasks.python_rewards`; they join the task's reward, `tasks.with_python_rewards`). Each
+phase checkpoints under `workdir/<phase>/` and a rerun with the
 same workdir resumes; the run holds the workdir's lock, and its config must be the one that
 started the workdir (`runs.workdir`: `run.lock`, `run.json`).
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
@@ -52,7 +54,7 @@ from jaxrlhf.runs import phases, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
 from jaxrlhf.runs.sharding import Placement
-from jaxrlhf.runs.tasks import build_task, make_accuracy_fn
+from jaxrlhf.runs.tasks import build_task, make_accuracy_fn, python_rewards, with_python_rewards
 from jaxrlhf.runs.workdir import claim
 
 log = logging.getLogger("jaxrlhf")
@@ -123,6 +125,9 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     sampled = SampledEval.from_config(config.train)  # checked before any work
     if config.algorithm == "ppo":
         phases.ppo_reward(config.ppo)
+    if python_rewards(config.get("reward")) and config.algorithm == "ppo" and config.ppo.reward == "model":
+        raise ValueError("reward.fns: PPO scores with its reward model (ppo.reward='model'); set "
+                         "ppo.reward='task' to train on the task's reward and these functions")
     stops = stopping.from_config(config, sampled)  # {phase: EarlyStop}, checked before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
@@ -137,7 +142,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     """The phases, the summary table and the export, in a workdir this run holds."""
     main = jax.process_index() == 0
     runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
-    task = build_task(config.task, model_path=config.model.path)
+    task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters

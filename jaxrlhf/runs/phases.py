@@ -165,7 +165,10 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
 
         step = _sharded_step(fused, placement, state_sh, pool)
     else:
-        step = _host_reward_step(model, tx, gcfg, reward, schedule, placement, state_sh, keys, pool)
+        step = _host_reward_step(functools.partial(grpo.rollout, model=model, cfg=gcfg, reward=reward),
+                                 functools.partial(grpo.learn, model=model, tx=tx, cfg=gcfg, reward=reward,
+                                                   schedule=schedule),
+                                 reward, placement, state_sh, keys, pool, gcfg.group_size, gcfg.sampling.eos_id)
     monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy")),
@@ -175,13 +178,14 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     return state.policy.params, last
 
 
-def _host_reward_step(model, tx, gcfg, reward, schedule, placement: Placement, state_sh, keys, rows: int):
-    """GRPO with a host reward on the mesh: a sharded rollout (with the reward's JAX parts),
-    the host reward on this process's responses, then a sharded update (state donated)."""
-    g = gcfg.group_size
-    roll = functools.partial(grpo.rollout, model=model, cfg=gcfg, reward=reward)
-    learn = jax.jit(functools.partial(grpo.learn, model=model, tx=tx, cfg=gcfg, reward=reward, schedule=schedule),
-                    out_shardings=(state_sh, placement.replicated), donate_argnums=0)
+def _host_reward_step(roll, learn, reward, placement: Placement, state_sh, keys, rows: int, group_size: int,
+                      eos_id: int | None):
+    """An RL step with a host reward on the mesh: a sharded rollout (with the reward's JAX
+    parts), the host reward on this process's responses, then a sharded update (state
+    donated). `roll(state, prompt_ids, prompt_mask, extras, rng) -> (out, scores)` and
+    `learn(state, out, scores, rng) -> (state, metrics)`: GRPO's or PPO's (`grpo.rollout`
+    / `grpo.learn`, `ppo.rollout` / `ppo.learn`)."""
+    learn = jax.jit(learn, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
     compiled = {}
 
     def row_shardings(tree):
@@ -199,10 +203,10 @@ def _host_reward_step(model, tx, gcfg, reward, schedule, placement: Placement, s
         # time is not the reward's.
         mine = jax.tree.map(placement.local_rows, out)
         t0 = time.perf_counter()
-        host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, g, eos_id=gcfg.sampling.eos_id)
+        host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, group_size, eos_id=eos_id)
         host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
         dt = time.perf_counter() - t0
-        state, metrics = learn(state, out, {**scores, **placement.global_batch(host, rows * g)}, rng)
+        state, metrics = learn(state, out, {**scores, **placement.global_batch(host, rows * group_size)}, rng)
         return state, {**metrics, "time/host_reward_s": dt}
 
     return step
@@ -379,8 +383,10 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
               placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
     (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
-    (`ppo.reward="task"`), the task's own rule-based reward (a JAX reward, given the
-    task's extras). The held-out exact-match accuracy (the true reward, `eval/accuracy`)
+    (`ppo.reward="task"`), the task's own reward given the task's extras: one sharded
+    program when it is pure JAX; with host (text) components, e.g. the JSONL task's
+    answer check or Python rewards of the `reward` section, a sharded rollout, the host
+    reward on each process's responses, then a sharded update, as in GRPO. The held-out exact-match accuracy (the true reward, `eval/accuracy`)
     is logged beside the score the policy optimises (`score_mean`): with a learned reward
     model, the score going up is not the same as getting better.
 
@@ -397,9 +403,6 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     else:
         rm_model = rm_params = None
         reward, keys = rewards_lib.as_reward(task.reward), task.extra_keys
-        if not reward.is_jax:
-            raise ValueError(f"ppo.reward='task': the {task.name!r} task's reward runs on the host; the PPO step "
-                             "needs a JAX reward (or ppo.reward='model', a learned reward model)")
     critic_model = critic_params = tx_critic = None
     actor_model = model
     if pcfg.shared:
@@ -425,18 +428,27 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
                               reward=reward if rm_model is None else (rm_model, reward_params))
 
     state, state_sh = placement.init_state(make, *args, roles=roles)
-    iteration = ppo.make_iteration(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg,
-                                   lr_schedule=schedule, donate=False)  # the sharded step donates the state
+    if rm_model is not None or reward.is_jax:
+        iteration = ppo.make_iteration(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg,
+                                       lr_schedule=schedule, donate=False)  # the sharded step donates the state
 
-    def fused(state, batch, rng):
-        return iteration(state, batch["prompt_ids"], batch["prompt_mask"], rng, {k: batch[k] for k in keys})
+        def fused(state, batch, rng):
+            return iteration(state, batch["prompt_ids"], batch["prompt_mask"], rng, {k: batch[k] for k in keys})
+
+        step = _sharded_step(fused, placement, state_sh, cfg.prompts_per_step)
+    else:  # host (text) components: rollout, the reward on the host, then the update
+        step = _host_reward_step(
+            functools.partial(ppo.rollout, actor_model=actor_model, cfg=pcfg, reward=reward),
+            functools.partial(ppo.learn, actor_model=actor_model, critic_model=critic_model, reward=reward,
+                              tx_actor=tx_actor, tx_critic=tx_critic, cfg=pcfg, lr_schedule=schedule),
+            reward, placement, state_sh, keys, cfg.prompts_per_step, pcfg.sampling.num_samples, pcfg.sampling.eos_id)
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
 
     state, last = run_phase(
         _phase("ppo", cfg, train, show=("score_mean", "kl_k1", "eval/accuracy")), workdir=workdir, state=state,
-        step_fn=_sharded_step(fused, placement, state_sh, cfg.prompts_per_step),
+        step_fn=step,
         batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),
         rng=rng, writer=writer, monitor=health_monitor(train, "ppo", clip=pcfg.clip, kl_target=pcfg.kl_target),

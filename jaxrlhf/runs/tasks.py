@@ -3,7 +3,9 @@
 "addition" is the built-in task (no downloads): multi-digit addition with a character
 tokenizer and an exact answer. "jsonl" reads prompts/answers (and preference pairs) from
 local files with a Hugging Face tokenizer, and scores answers on the host with
-`data.final_answer_reward` (GSM8K-style "#### 42", `\\boxed{}` or the last number).
+`data.final_answer_reward` (GSM8K-style "#### 42", `\\boxed{}` or the last number); every
+other field of a row travels with its prompt as a reward extra. The config's `reward`
+section adds Python rewards by import path to any task's own (`with_python_rewards`).
 "word_problems" generates one-digit arithmetic questions in words for a real chat model
 (`data.make_word_problems`), scored the same way, plus an optional answer-format reward.
 """
@@ -105,9 +107,29 @@ def addition(cfg) -> Task:
                                         for v, done in _until_eos(ids, mask, data.EOS_ID)])
 
 
-def _prompt_arrays(prompts: data.PromptData, prompt_len: int, pad_id: int) -> dict:
+def _objects(values: list) -> np.ndarray:
+    """A 1-D object array of `values` as they are (lists stay one entry each)."""
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+_RESERVED = ("prompt_ids", "prompt_mask", "answer")  # the task's own arrays: a row field of that name is not kept
+
+
+def _field_names(*prompts: data.PromptData) -> tuple[str, ...]:
+    """The row fields a text task hands its rewards: every field of any row (train or
+    test), but the prompt's and the reserved names."""
+    return tuple(sorted({k for p in prompts for f in p.fields for k in f} - set(_RESERVED)))
+
+
+def _prompt_arrays(prompts: data.PromptData, prompt_len: int, pad_id: int, field_names: tuple[str, ...]) -> dict:
+    """Left-padded prompts, the answer text, and one object array per row field (None
+    where a row lacks it): the reward extras of a text task."""
     ids, mask = data.left_pad(prompts.prompt_ids, prompt_len, pad_id=pad_id)
-    return dict(prompt_ids=ids, prompt_mask=mask, answer=np.asarray(prompts.answer, dtype=object))
+    fields = {k: _objects([f.get(k) for f in prompts.fields]) for k in field_names}
+    return dict(fields, prompt_ids=ids, prompt_mask=mask, answer=_objects(prompts.answer))
 
 
 def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cfg, *, source: str,
@@ -125,11 +147,13 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
         fmt = rewards.host_reward(lambda prompts, responses, ex: data.answer_format_reward(responses), tok,
                                   name="format")
         reward = rewards.combine([(1.0, reward), (float(format_weight), fmt)])
+    fields = _field_names(train, test)
     return Task(
         name=name, tokenizer=tok, vocab_size=len(tok), pad_id=pad_id, bos_id=tok.bos_token_id,
         eos_id=tok.eos_token_id, prompt_len=prompt_len, response_len=cfg.max_new_tokens, sft=None,
-        prompts=_prompt_arrays(train, prompt_len, pad_id), test_prompts=_prompt_arrays(test, prompt_len, pad_id),
-        pairs=None, test_pairs=None, reward=reward, extra_keys=("answer",),
+        prompts=_prompt_arrays(train, prompt_len, pad_id, fields),
+        test_prompts=_prompt_arrays(test, prompt_len, pad_id, fields),
+        pairs=None, test_pairs=None, reward=reward, extra_keys=("answer", *fields),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
         # what `final_answer_reward` compares: the extracted final answer of the text before EOS
         final_answer=lambda ids, mask: [data.extract_final_answer(tok.decode(v, skip_special_tokens=True))
@@ -186,6 +210,42 @@ def build_task(cfg, *, model_path: str = "") -> Task:
     if cfg.name in ("jsonl", "word_problems"):
         return TASKS[cfg.name](cfg, tokenizer_path=cfg.tokenizer_path or model_path)
     return TASKS[cfg.name](cfg)
+
+
+def python_rewards(cfg) -> list[tuple[float, str, Callable]]:
+    """`(weight, name, function)` of each Python reward of the config's `reward` section
+    (None: no section, no rewards): `fns` import paths "pkg.module:function",
+    comma-separated, `weights` as many floats ("" = 1.0 each). Imported here, so that a
+    path that does not import stops the run before any work (`rewards.import_reward_fn`).
+    A component is named by its function, or by its whole path when two functions share
+    a name."""
+    specs = [s.strip() for s in (cfg.fns if cfg is not None else "").split(",") if s.strip()]
+    if not specs:
+        return []
+    try:
+        weights = [float(w) for w in cfg.weights.split(",")] if cfg.weights.strip() else [1.0] * len(specs)
+    except ValueError:
+        raise ValueError(f"reward.weights={cfg.weights!r}: expected comma-separated numbers, one per "
+                         "reward.fns entry") from None
+    if len(weights) != len(specs):
+        raise ValueError(f"reward.weights={cfg.weights!r} gives {len(weights)} weights for the {len(specs)} "
+                         f"functions of reward.fns; give one per function (or none: 1.0 each)")
+    names = [s.partition(":")[2] for s in specs]
+    fns = [rewards.import_reward_fn(s) for s in specs]
+    return [(w, s if names.count(n) > 1 else n, fn) for w, s, n, fn in zip(weights, specs, names, fns)]
+
+
+def with_python_rewards(task: Task, cfg) -> Task:
+    """`task` with its reward = `cfg.task_weight` × the task's own reward + the weighted
+    Python rewards of `cfg` (the config's `reward` section, or None), each called in TRL's
+    convention on the decoded text with the row's fields (`rewards.trl_reward`). The
+    task's own reward stays the first component, the held-out `accuracy`, even at weight 0."""
+    fns = python_rewards(cfg)
+    if not fns and (cfg is None or cfg.task_weight == 1.0):
+        return task
+    parts = [(float(cfg.task_weight), task.reward)]
+    parts += [(w, rewards.trl_reward(fn, task.tokenizer, name=name, eos_id=task.eos_id)) for w, name, fn in fns]
+    return dataclasses.replace(task, reward=rewards.combine(parts))
 
 
 def host_extras(batch: dict, keys) -> dict:

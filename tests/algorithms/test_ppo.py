@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf import ops
+from jaxrlhf import ops, rewards
 from jaxrlhf.algorithms import common, kl_controller, ppo, reward_model, scoring
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, init_params
+from jaxrlhf.rollout.sampler import SampleOutput
 
 V, P, T = 24, 4, 8
 TARGET = 7  # the synthetic reward: fraction of response tokens equal to 7
@@ -137,8 +138,6 @@ def test_vocab_mismatch_is_a_clear_error(params):
 
 
 def test_reward_forms(params):
-    from jaxrlhf import rewards
-
     seq, attn, mask = _rollout_batch(2)
     inp = rewards.RewardInput.from_sequences(seq, attn, P)
     expected = target_fraction(seq[:, P:], mask, {})
@@ -158,8 +157,7 @@ def test_reward_forms(params):
     np.testing.assert_allclose(reward.device_scores(inp, {}, rparams)["reward_model"],
                                RM.apply({"params": params["rm"]}, seq, attn).values[jnp.arange(8), last], atol=1e-6)
     host = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), tokenizer=object())
-    with pytest.raises(TypeError, match="host"):
-        scoring.compiled_reward(host)
+    assert scoring.compiled_reward(host) == (host, None)  # scored between two programs (`host_iteration`)
     with pytest.raises(TypeError, match="cannot tell"):
         scoring.compiled_reward(lambda x: x)
 
@@ -243,8 +241,10 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
                         kl_coef=0.3, missing_eos_penalty=0.5, reward_whitening="batch", reward_clip=1.5,
                         gamma=0.9, lam=0.8)
-    _, score, _ = ppo._phases(SHARED, None, reward_model.as_reward(RM), None, None, cfg)
+    rm_reward = reward_model.as_reward(RM)
+    score = functools.partial(ppo._score, actor_model=SHARED, critic_model=None, reward=rm_reward, cfg=cfg)
     seq, attn, mask = _rollout_batch(3)
+    out = SampleOutput(seq[:, :P], attn[:, :P], seq[:, P:], mask, jnp.zeros(mask.shape), seq, attn, mask.sum(1))
     # The actor has moved away from the reference: KL is not zero.
     ref = jax.tree.map(lambda x: x + jnp.asarray(0.05 * np.random.default_rng(9).standard_normal(x.shape), x.dtype),
                        params["shared"])
@@ -253,9 +253,11 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
                          kl_ctl=kl_controller.init(cfg.kl_config), reward_stats=ppo.RunningMoments.create(),
                          step=jnp.int32(0))
 
+    scores = rm_reward.device_scores(rewards.RewardInput.from_sample(out), {}, params["rm"])
+
     @jax.jit
     def both(state, ref):
-        _, batch, metrics = score(state, seq, attn, jnp.zeros(mask.shape), None)
+        _, batch, metrics = score(state, out, scores)
         logp, _, values = _full_forward_logp(SHARED, params["shared"], seq, attn)
         ref_logp, _, _ = _full_forward_logp(SHARED, ref, seq, attn)
         rm_values = RM.apply({"params": params["rm"]}, seq, attn).values
@@ -349,6 +351,32 @@ def test_first_minibatch_ratio_is_exactly_one(separate_run):
     assert float(history[0]["sampler_logp_diff_max"]) < 1e-4  # sampler and trainer agree
     # later minibatches do move
     assert float(history[0]["ratio_max"]) > 1.0 + 1e-4
+
+
+class _IdsTokenizer:
+    """Token ids as space-separated numbers: a text reward that can count them."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_a_host_reward_iteration_equals_the_jax_reward_one(params, separate_run):
+    """The synthetic reward computed on the decoded text (rollout, host scoring, update: two
+    programs) gives the JAX reward's first iteration of `separate_run`, and says where."""
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", kl_coef=0.05,
+                        num_ppo_epochs=2, num_minibatches=2, vf_coef=0.5)
+    tx_a, sched = common.make_optimizer(common.OptimConfig(lr=3e-3))
+    tx_c, _ = common.make_optimizer(common.OptimConfig(lr=1e-2))
+    fraction = lambda p, r, ex: [t.split().count(str(TARGET)) / max(len(t.split()), 1) for t in r]
+    host = rewards.host_reward(fraction, _IdsTokenizer(), name="target_fraction")
+    state = ppo.init_state(cfg, ACTOR, params["actor"], tx_a, critic_model=CRITIC, critic_params=params["critic"],
+                           tx_critic=tx_c, reward=host)
+    it = ppo.make_iteration(ACTOR, CRITIC, host, tx_a, tx_c, cfg, lr_schedule=sched, donate=False)
+    _, m = it(state, *_prompts(16), jax.random.key(1))
+    first = separate_run[1][0]
+    for key in ("reward/target_fraction", "score_mean", "loss", "value_loss", "grad_norm", "kl_k1"):
+        np.testing.assert_allclose(m[key], first[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert m["time/host_reward_s"] > 0
 
 
 def test_separate_critic_metrics(separate_run):
