@@ -8,7 +8,7 @@ from jaxrlhf.models.checkpoint import (
     random_init,
     save_pretrained,
 )
-from jaxrlhf.models.hf_layout import hf_tensor_map
+from jaxrlhf.models.hf_layout import hf_tensor_map, stack_layers, unstack_layers
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.transformer import (
     HEADS,
@@ -22,8 +22,6 @@ from jaxrlhf.models.transformer import (
     positions_from_mask,
     project_logits,
     score_at_last_token,
-    stack_layers,
-    unstack_layers,
 )
 
 __all__ = [

@@ -30,7 +30,8 @@ from jaxrlhf.models.config import (RUNTIME_FIELDS, ModelConfig, UnsupportedConfi
                                    from_hf_config, to_hf_dict)
 from jaxrlhf.models.hf_layout import (  # noqa: F401  (_trunk_tensors, _head_tensors: used by tests)
     _get, _head_tensors, _LayerOf, _param_of, _params_of, _set, _Tensor, _trunk_tensors)
-from jaxrlhf.models.transformer import HEADS, Transformer, stack_layers
+from jaxrlhf.models.hf_layout import stack_layers
+from jaxrlhf.models.transformer import HEADS, Transformer
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@
 A scanned stack (`ModelConfig.scan_layers`) keeps the same per-layer mapping: the param
 `layers/<rest>` `[n, ...]` is `layers_i/<rest>` of the table stacked over `i`. Loading
 stacks the n HF tensors (read slice by slice when sharded); saving writes each layer back
-as `model.layers.i.*`, so a saved folder never shows the stacked layout.
+as `model.layers.i.*`, so a saved folder never shows the stacked layout. `stack_layers` /
+`unstack_layers` convert a params-shaped pytree between the two layouts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import dataclasses
 import re
 from typing import Any, Mapping, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models.config import ModelConfig
@@ -228,3 +231,31 @@ def _get(tree: Mapping, path: tuple[str, ...]):
     for key in path:
         tree = tree[key]
     return tree
+
+
+_LAYER_KEY = re.compile(r"layers_(\d+)")
+
+
+def stack_layers(params):
+    """Unrolled params (`layers_0 .. layers_{n-1}`) → the scanned layout: one `layers`
+    subtree whose leaves are the layers' stacked on a new leading axis. Other entries (the
+    embedding, final norm, heads) are kept. Works on any pytree shaped like the params
+    (gradients, numpy or jax leaves)."""
+    index = {int(m.group(1)): k for k in params if (m := _LAYER_KEY.fullmatch(k))}
+    if not index or sorted(index) != list(range(len(index))):
+        raise ValueError(f"expected layers_0 .. layers_{{n-1}} in the params, got {sorted(params)}")
+    stack = lambda *xs: np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+    out = {k: v for k, v in params.items() if k not in index.values()}
+    out["layers"] = jax.tree.map(stack, *[params[index[i]] for i in range(len(index))])
+    return out
+
+
+def unstack_layers(params):
+    """The scanned layout (`layers`, leaves `[n, ...]`) → unrolled `layers_0 .. layers_{n-1}`."""
+    if "layers" not in params:
+        raise ValueError(f"expected a stacked `layers` subtree in the params, got {sorted(params)}")
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(n):
+        out[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
+    return out

@@ -248,7 +248,7 @@ def peft_tensors(config, params: PyTree) -> dict[str, np.ndarray]:
     `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` `[r, in]` and
     `...lora_B.weight` `[out, r]` (`base_model.model.lm_head.lora_*` for the head), float32
     numpy arrays. A scanned stack is written per layer."""
-    from jaxrlhf.models.transformer import unstack_layers
+    from jaxrlhf.models.hf_layout import unstack_layers
 
     host = jax.tree.map(np.asarray, adapters(params))
     if "layers" in host:

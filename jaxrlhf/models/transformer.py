@@ -11,7 +11,7 @@ Parameters are a plain pytree whose names mirror the Hugging Face checkpoint (`l
 `q_heads`, `kv_heads`, `head_dim`, `mlp`, `norm`) that sharding rules map onto a mesh.
 With `config.scan_layers` the layers are one subtree `layers` whose leaves are stacked on a
 leading `[num_layers]` axis named "layers", and the stack runs as one `jax.lax.scan`
-(`stack_layers` / `unstack_layers` convert between the two layouts).
+(`hf_layout.stack_layers` / `unstack_layers` convert between the two layouts).
 
 One `__call__` serves both the full forward (training, scoring) and incremental decoding
 with a static-shape KV cache (sampling): the cache holds `S` slots, new tokens are written
@@ -20,7 +20,6 @@ at `cache_index`, and `attention_mask` then covers all `S` slots.
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple, Sequence
 
 import flax.linen as nn
@@ -538,34 +537,6 @@ def scan_layers(config: ModelConfig, layers, x_BxLxD, ropes, mask: AttentionMask
     xs = (layers, jnp.arange(n, dtype=jnp.int32), jnp.asarray(c.local_layers(), bool))
     (x, cache), _ = jax.lax.scan(body, (x_BxLxD, cache), xs)
     return (x[:, -1:] if last_position_only else x), cache
-
-
-_LAYER_KEY = re.compile(r"layers_(\d+)")
-
-
-def stack_layers(params):
-    """Unrolled params (`layers_0 .. layers_{n-1}`) → the scanned layout: one `layers`
-    subtree whose leaves are the layers' stacked on a new leading axis. Other entries (the
-    embedding, final norm, heads) are kept. Works on any pytree shaped like the params
-    (gradients, numpy or jax leaves)."""
-    index = {int(m.group(1)): k for k in params if (m := _LAYER_KEY.fullmatch(k))}
-    if not index or sorted(index) != list(range(len(index))):
-        raise ValueError(f"expected layers_0 .. layers_{{n-1}} in the params, got {sorted(params)}")
-    stack = lambda *xs: np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
-    out = {k: v for k, v in params.items() if k not in index.values()}
-    out["layers"] = jax.tree.map(stack, *[params[index[i]] for i in range(len(index))])
-    return out
-
-
-def unstack_layers(params):
-    """The scanned layout (`layers`, leaves `[n, ...]`) → unrolled `layers_0 .. layers_{n-1}`."""
-    if "layers" not in params:
-        raise ValueError(f"expected a stacked `layers` subtree in the params, got {sorted(params)}")
-    n = jax.tree.leaves(params["layers"])[0].shape[0]
-    out = {k: v for k, v in params.items() if k != "layers"}
-    for i in range(n):
-        out[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
-    return out
 
 
 def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.Array:
