@@ -6,7 +6,7 @@ order the files are collected: the few files that take minutes (module fixtures 
 runs, an 8-device check process) came last alphabetically and left one worker idle while
 the other finished them (a 16-minute suite with about 4 minutes of one worker alone).
 Longest first is the classic fix for that tail. The list is from measured `--durations`
-(2 cores, 2026-12-02), longest first; other files keep their order after it.
+(2 cores, 2026-12-02, per file), longest first; other files keep their order after it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import _xla
 os.environ["XLA_FLAGS"] = _xla.flags(base=os.environ.get("XLA_FLAGS"))  # before any test imports jax
 
 SLOW_FIRST = (
-    "runs/test_configs.py", "runs/test_train_mesh.py", "algorithms/test_grpo.py", "rollout/test_sampler.py",
-    "algorithms/test_dpo.py", "parallel/test_sharding.py", "notebooks/test_notebooks.py", "models/test_attention.py",
-    "algorithms/test_ppo.py", "algorithms/test_common.py", "parallel/test_algorithms_sharded.py",
-    "runs/test_checkpoint_health.py", "models/test_scan.py", "runs/test_sampled_eval.py", "algorithms/test_sft.py",
-    "runs/test_workdir.py", "algorithms/test_reward_model.py", "runs/test_stop_on_eval.py",
+    "runs/test_configs.py", "runs/test_train_mesh.py", "algorithms/test_dpo.py", "rollout/test_sampler.py",
+    "algorithms/test_grpo.py", "notebooks/test_notebooks.py", "models/test_decoding.py", "parallel/test_sharding.py",
+    "runs/test_lora_run.py", "algorithms/test_ppo.py", "models/test_attention.py", "algorithms/test_common.py",
+    "models/test_families.py", "runs/test_checkpoint_health.py", "parallel/test_algorithms_sharded.py",
+    "runs/test_workdir.py", "models/test_scan.py", "algorithms/test_sft.py", "algorithms/test_reward_model.py",
+    "runs/test_sampled_eval.py", "runs/test_monitor_cli.py", "runs/test_stop_on_eval.py", "models/test_lora.py",
+    "models/test_checkpoint_io.py", "runs/test_python_rewards.py", "ops/test_properties.py",
 )
 
 

@@ -9,16 +9,17 @@ import pytest
 
 from jaxrlhf import host_allocator
 
-# Calls a jitted function whose temporaries (two [2048, 2048] float32 intermediates, 32 MiB)
-# are far over glibc's default mmap threshold; prints the median page faults per call after
-# warm-up (a call may still grow the heap now and then, while threads interleave).
+# Calls a jitted function whose temporaries (two [2048, 2048] float32 matmul outputs, 32 MiB,
+# from [2048, 64] operands: 1 GFLOP a call) are far over glibc's default mmap threshold;
+# prints the median page faults per call after warm-up (a call may still grow the heap now
+# and then, while threads interleave).
 _PROBE = """
 import json, resource, sys
 from jaxrlhf.host_allocator import tune_host_allocator
 applied = tune_host_allocator()
 import jax, jax.numpy as jnp
-f = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T) @ jnp.tanh(x.T @ x)))
-x = jnp.ones((2048, 2048), jnp.float32) * 1e-3
+f = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T) * jnp.tanh(x @ (2 * x).T)))
+x = jnp.ones((2048, 64), jnp.float32) * 1e-3
 for _ in range(5):
     f(x).block_until_ready()
 faults = []

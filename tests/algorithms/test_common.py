@@ -51,8 +51,9 @@ def test_accumulation_4x4_equals_1x16_for_every_aggregation(mode):
         scale = common.accumulation_scale(mb["mask"], mode=mode, total_tokens=total_tokens, total_seqs=16)
         return loss * scale, metrics
 
-    full_loss, full_m, full_grads = common.accumulate_gradients(loss_fn, PARAMS, batch, num_microbatches=1)
-    acc_loss, acc_m, acc_grads = common.accumulate_gradients(loss_fn, PARAMS, batch, num_microbatches=4)
+    accumulate = jax.jit(common.accumulate_gradients, static_argnums=(0,), static_argnames="num_microbatches")
+    full_loss, full_m, full_grads = accumulate(loss_fn, PARAMS, batch, num_microbatches=1)
+    acc_loss, acc_m, acc_grads = accumulate(loss_fn, PARAMS, batch, num_microbatches=4)
     np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-5)
     # Extremes stay extremes: the worst ratio of any micro-batch is the batch's worst ratio.
     np.testing.assert_allclose([acc_m["ratio_max"], acc_m["ratio_min"]], [full_m["ratio_max"], full_m["ratio_min"]],
@@ -62,10 +63,10 @@ def test_accumulation_4x4_equals_1x16_for_every_aggregation(mode):
         np.testing.assert_allclose(g4, g1, rtol=2e-4, atol=1e-7)
     # The plain mean of micro-batch token-means weighs tokens unequally: the weighting matters.
     if mode == "token-mean":
-        naive = jnp.mean(jnp.stack([
-            ops.policy_loss(common.response_logprobs(MODEL, PARAMS, seq[i:i + 4], attn[i:i + 4], 4)[0],
-                            batch["old"][i:i + 4], batch["adv"][i:i + 4], rmask[i:i + 4], agg=mode)[0]
-            for i in range(0, 16, 4)]))
+        part = jax.jit(lambda s, a, old, adv, m: ops.policy_loss(
+            common.response_logprobs(MODEL, PARAMS, s, a, 4)[0], old, adv, m, agg=mode)[0])
+        naive = jnp.mean(jnp.stack([part(seq[i:i + 4], attn[i:i + 4], batch["old"][i:i + 4], batch["adv"][i:i + 4],
+                                         rmask[i:i + 4]) for i in range(0, 16, 4)]))
         assert not np.isclose(naive, full_loss, rtol=1e-4)
 
 

@@ -32,7 +32,8 @@ def test_cached_decoding_matches_full_forward(hf_store, family):
     ids, mask, p = _left_padded()
     b, s = ids.shape
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-    full = np.asarray(model.apply({"params": params}, ids, mask).logits)
+    forward = jax.jit(lambda ids, mask: model.apply({"params": params}, ids, mask).logits)
+    full = np.asarray(forward(ids, mask))
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, cache, ids_BxL, cache_index):
@@ -49,7 +50,7 @@ def test_cached_decoding_matches_full_forward(hf_store, family):
     valid = np.asarray(mask, bool)
     np.testing.assert_allclose(got[valid], full[valid], atol=1e-5, rtol=0)
     # A left-padded row's first real token sits at position 0, like an unpadded prompt.
-    short = model.apply({"params": params}, ids[2:, p - 1:], None).logits
+    short = jax.jit(lambda ids: model.apply({"params": params}, ids, None).logits)(ids[2:, p - 1:])
     np.testing.assert_allclose(np.asarray(short)[0], full[2, p - 1:], atol=1e-5, rtol=0)
 
 
@@ -86,7 +87,8 @@ def test_bfloat16_cache_with_float32_params(hf_store):
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     cache = init_cache(model.config, ids.shape[0], ids.shape[1])
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(cache))
-    full = np.asarray(model.apply({"params": params}, ids, mask).logits)
+    forward = jax.jit(lambda ids, mask: model.apply({"params": params}, ids, mask).logits)
+    full = np.asarray(forward(ids, mask))
     step = jax.jit(lambda cache, x, i: model.apply({"params": params}, x, mask, cache=cache, cache_index=i))
     out = step(cache, ids[:, :p], 0)
     got = [np.asarray(out.logits)]

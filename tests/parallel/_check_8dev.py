@@ -215,6 +215,47 @@ def forward_equals_unsharded():
 
 
 @check
+def gemma2_with_lora_equals_unsharded():
+    """A Gemma-2-shaped model (local and global layers, both soft caps, sandwich norms,
+    (1 + w) norms, GeGLU, scaled tied embeddings) with LoRA adapters on every projection
+    (B random, so they count): logits, values and the adapters' gradients on (fsdp=4,
+    tensor=2) equal one device's. Adapters follow their kernels' axes, rank unsharded."""
+    from jaxrlhf.models import lora
+
+    cfg = M.LLAMA.replace(model_type="gemma2", num_layers=2, sliding_window=4, qkv_bias=False, o_bias=False,
+                          layer_types=("sliding_attention", "full_attention"), attn_logit_softcapping=5.0,
+                          final_logit_softcapping=3.0, sandwich_norms=True, norm_plus_one=True,
+                          scale_embeddings=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+                          query_pre_attn_scalar=16.0, lora=lora.LoraConfig(rank=4))
+    model = Transformer(cfg, "lm_value")
+    base = jax.jit(lambda r: init_params(Transformer(cfg.replace(lora=None), "lm_value"), r, seq_len=2))(
+        jax.random.key(5))
+    params = lora.add_adapters(model, base, jax.random.key(6))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.random.normal(jax.random.key(len(path)), x.shape) * 0.1
+        if "lora_b" in jax.tree_util.keystr(path) else x, params)
+    b = M.batch()
+
+    def loss(adapters, p, x, m):
+        out = model.apply({"params": lora.with_trainable(p, adapters)}, x, m)
+        return jnp.sum(out.logits ** 2) * 1e-3 + jnp.sum(out.values), out
+
+    fn = jax.value_and_grad(loss, has_aux=True)
+    (_, want), want_g = jax.jit(fn)(lora.trainable(params), params, b["sequences"], b["attention_mask"])
+    mesh = mesh_of("fsdp4_tensor2")
+    p_sh = parallel.param_shardings(model, mesh)
+    q_proj = p_sh["layers_0"]["self_attn"]["q_proj"]  # kernel [D, N, H]: A [D, r], B [r, N, H]
+    a_spec, b_spec = q_proj["lora_a"].spec, q_proj["lora_b"].spec
+    assert (a_spec, b_spec) == (P("fsdp", None), P(None, "tensor", None)), (a_spec, b_spec)
+    ps = jax.device_put(params, p_sh)
+    bs = parallel.shard_batch({"x": b["sequences"], "m": b["attention_mask"]}, mesh)
+    (_, got), got_g = jax.jit(fn)(lora.trainable(ps), ps, bs["x"], bs["m"])
+    d = close((got.logits, got.values), (want.logits, want.values), rtol=1e-4, atol=1e-5, what="outputs")
+    d = max(d, close(got_g, want_g, rtol=1e-4, atol=1e-5, what="adapter gradients"))
+    return f"q_proj adapters {a_spec} / {b_spec}, max |diff| {d:.1e}"
+
+
+@check
 def chunked_head_equals_unsharded():
     """The fused LM head (`logprobs_head="chunked"`, ops.linear_logprobs) with the
     vocabulary split over tensor=2: the policy loss and its gradients equal the plain head's
