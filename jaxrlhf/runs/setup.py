@@ -8,7 +8,7 @@ import jax
 
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.experience import SamplingConfig
-from jaxrlhf.models import ModelConfig, Transformer, load_pretrained, lora, random_init
+from jaxrlhf.models import ModelConfig, Transformer, count_params, load_pretrained, lora, random_init
 from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.parallel.loading import load_pretrained_sharded
 
@@ -46,7 +46,7 @@ def build_model(cfg, *, vocab_size: int | None = None, head: str = "lm", seed: i
                      tie_word_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id, **_options(cfg))
     model, params = random_init(mc, head=head, seed=seed)
-    log.info("fresh %s model with %.2fM parameters", head, sum(x.size for x in jax.tree.leaves(params)) / 1e6)
+    log.info("fresh %s model with %.2fM parameters", head, count_params(params) / 1e6)
     if placement is not None:
         params = placement.place_params(model, params)
     return model, params
@@ -77,9 +77,9 @@ def start_adapters(model: Transformer, params, *, fresh: bool, seed: int, placem
         return params if placement is None else placement.place(
             params, lora.without_adapters(placement.param_shardings(model)))
     params = lora.add_adapters(model, params, jax.random.key(seed))
-    n = sum(x.size for x in jax.tree.leaves(lora.adapters(params)))
     log.info("LoRA rank %d on %s: %.3fM trained parameters of %.2fM", model.config.lora.rank,
-             ",".join(model.config.lora.targets), n / 1e6, sum(x.size for x in jax.tree.leaves(params)) / 1e6)
+             ",".join(model.config.lora.targets), count_params(lora.adapters(params)) / 1e6,
+             count_params(params) / 1e6)
     return params if placement is None else placement.place_params(model, params)
 
 
