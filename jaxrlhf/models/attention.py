@@ -14,7 +14,10 @@ soft-capping), else `x`.
 `key_valid` `[B, S]` marks real tokens (left-padded prompts, right-padded responses, cache
 slots not written yet are all False); `query_slot` `[L]` is each query's slot in the `S`
 keys (`arange(L)` for a full forward, `cache_index + arange(L)` with a KV cache), so the
-causal and local-window rules are on slot indices, as transformers applies them. A query
+causal and local-window rules are on slot indices, as transformers applies them. A decode
+step whose rows sit at different slots (continuous batching) gives `query_slot` `[B, L]`,
+row b's own; every implementation then runs "dense" (its scores are `[B, N, L, S]`, for
+L = 1 the size of a cache row). A query
 with no allowed key — a padding query, whose own slot is not a real token, or a real one
 with nothing real before it — gets a zero output in every implementation, with zero
 gradient. No padding position ever reaches a real token's output (a padding slot is never
@@ -73,7 +76,8 @@ class AttentionMask(NamedTuple):
     """Which keys each query may attend to, in linear size (see the module docstring).
 
     key_valid: `[B, S]` bool, True on real tokens.
-    query_slot: `[L]` int32, each query's slot among the `S` keys (queries are consecutive).
+    query_slot: `[L]` int32, each query's slot among the `S` keys (queries are consecutive),
+      or `[B, L]`: each row's own.
     """
 
     key_valid: jax.Array
@@ -113,15 +117,18 @@ def current_kernel_mesh() -> KernelMesh | None:
 def allowed_BxLxS(mask: AttentionMask, window: int | None) -> jax.Array:
     """The `[B, L, S]` boolean mask that `mask` stands for (dense form and tests only)."""
     s = mask.key_valid.shape[1]
-    key_slot, q_slot = jnp.arange(s)[None, :], mask.query_slot[:, None]
+    key_slot, q_slot = jnp.arange(s)[None, :], mask.query_slot[..., None]
     ok_LxS = key_slot <= q_slot
     if window is not None:
         ok_LxS &= key_slot > q_slot - window
-    return mask.key_valid[:, None, :] & ok_LxS[None] & _query_valid_BxL(mask)[:, :, None]
+    ok_BxLxS = ok_LxS if ok_LxS.ndim == 3 else ok_LxS[None]
+    return mask.key_valid[:, None, :] & ok_BxLxS & _query_valid_BxL(mask)[:, :, None]
 
 
 def _query_valid_BxL(mask: AttentionMask) -> jax.Array:
     """Whether each query's own slot holds a real token."""
+    if mask.query_slot.ndim == 2:
+        return jnp.take_along_axis(mask.key_valid.astype(bool), mask.query_slot, axis=1)
     return jnp.take(mask.key_valid.astype(bool), mask.query_slot, axis=1)
 
 
@@ -209,7 +216,8 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementati
       q_BxLxNxH: queries (after RoPE), `N = G·K` heads.
       k_BxKxSxH: keys `[B, K, S, H]`, or `[B, K, H, S]` with `keys_transposed`.
       v_BxKxSxH: values `[B, K, S, H]`.
-      mask: `AttentionMask(key_valid [B, S], query_slot [L])`.
+      mask: `AttentionMask(key_valid [B, S], query_slot [L] or per row [B, L])`; per-row
+        slots always run "dense" (after `implementation` is validated).
       implementation: a name in `IMPLEMENTATIONS`.
       scale: the score scale (`head_dim ** -0.5`).
       window: a local window (keys within the last `window` slots of the query's), or None.
@@ -224,6 +232,8 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, implementati
     queries_are_keys = queries_are_keys and not keys_transposed and s == l
     impl = choose(implementation, num_queries=l, num_keys=s, num_groups=n // kh, queries_are_keys=queries_are_keys,
                   dtype=q_BxLxNxH.dtype, soft_cap=soft_cap)
+    if mask.query_slot.ndim == 2:  # each row at its own slots: the blocked forms share one slot per query
+        impl = "dense"
     if impl == "splash":
         return _kernels.splash(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask.key_valid, scale=scale, window=window,
                                soft_cap=soft_cap, mesh=current_kernel_mesh())

@@ -252,12 +252,17 @@ class Attention(nn.Module):
             keys, values, keys_transposed = key_BxKxLxH, val_BxKxLxH, False
         else:
             key_BxKxHxL = key_BxKxLxH.transpose(0, 1, 3, 2)
-            kv = KVCache(
-                jax.lax.dynamic_update_slice(kv.k, key_BxKxHxL.astype(kv.k.dtype), (0, 0, 0, cache_index)),
-                jax.lax.dynamic_update_slice(kv.v, val_BxKxLxH.astype(kv.v.dtype), (0, 0, cache_index, 0)))
+            if jnp.ndim(cache_index) == 1:  # each row at its own slots (continuous batching)
+                row = lambda ax: lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), i, ax)
+                kv = KVCache(jax.vmap(row(2))(kv.k, key_BxKxHxL, cache_index),
+                             jax.vmap(row(1))(kv.v, val_BxKxLxH, cache_index))
+            else:
+                kv = KVCache(
+                    jax.lax.dynamic_update_slice(kv.k, key_BxKxHxL.astype(kv.k.dtype), (0, 0, 0, cache_index)),
+                    jax.lax.dynamic_update_slice(kv.v, val_BxKxLxH.astype(kv.v.dtype), (0, 0, cache_index, 0)))
             keys, values, keys_transposed = kv.k, kv.v, True
         if queries is not None:
-            mask = AttentionMask(mask.key_valid, mask.query_slot[-queries:])
+            mask = AttentionMask(mask.key_valid, mask.query_slot[..., -queries:])
         out_BxLxNxH = attention.attend(q, keys, values, mask, implementation=c.attention, scale=c.attention_scale,
                                        window=self.window, soft_cap=c.attn_logit_softcapping,
                                        keys_transposed=keys_transposed, queries_are_keys=kv is None and queries is None)
@@ -347,7 +352,8 @@ class Transformer(nn.Module):
           position_ids: `[B, L]`; by default the count of valid tokens before each one, so
             left padding does not shift positions.
           cache: from `init_cache` (S slots) or a previous call; the new keys/values are
-            written at slots `cache_index .. cache_index + L - 1`.
+            written at slots `cache_index .. cache_index + L - 1`; an int32 `[B]`
+            `cache_index` puts each row at its own slots (`rollout.continuous`).
           compute_logits: False skips the `[B, L, V]` LM head (the caller may project
             `hidden` itself in chunks).
           last_position_only: the last layer attends and runs its MLP from the last
@@ -379,9 +385,14 @@ class Transformer(nn.Module):
             if mask.shape != (b, s):
                 raise ValueError(f"with a cache, attention_mask must cover all cache slots: "
                                  f"expected [B, S] = {(b, s)}, got {mask.shape}")
+            per_row = jnp.ndim(cache_index) == 1  # each row at its own slots: query slots [B, L]
+            if per_row and jnp.shape(cache_index) != (b,):
+                raise ValueError(f"a per-row cache_index must have shape [B] = ({b},), got {jnp.shape(cache_index)}")
+            query_slot = (cache_index[:, None] if per_row else cache_index) + jnp.arange(l, dtype=jnp.int32)
             if position_ids is None:
-                position_ids = jax.lax.dynamic_slice_in_dim(positions_from_mask(mask), cache_index, l, axis=1)
-            attn_mask = AttentionMask(mask, cache_index + jnp.arange(l, dtype=jnp.int32))
+                position_ids = (jnp.take_along_axis(positions_from_mask(mask), query_slot, axis=1) if per_row else
+                                jax.lax.dynamic_slice_in_dim(positions_from_mask(mask), cache_index, l, axis=1))
+            attn_mask = AttentionMask(mask, query_slot)
 
         shared = _rope(c, position_ids, False)  # local layers differ only with a base of their own
         ropes = {local: _rope(c, position_ids, True) if local and c.local_rope_theta is not None else shared
