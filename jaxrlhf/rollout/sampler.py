@@ -152,9 +152,14 @@ def _row_keys(rng: jax.Array, n: int, first_row=0) -> jax.Array:
     return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n))
 
 
+def _step_noise(row_key: jax.Array, t, v: int) -> jax.Array:
+    """`[V]` float32 Gumbel noise of decode step `t` for the row whose key is `row_key`."""
+    return jax.random.gumbel(jax.random.fold_in(row_key, t), (v,), jnp.float32)
+
+
 def _gumbel_steps(keys_N, first_step, steps: int, v: int) -> jax.Array:
     """`[steps, N, V]` float32 noise for decode steps `first_step ..` of the rows `keys_N`."""
-    row = lambda key, t: jax.random.gumbel(jax.random.fold_in(key, t), (v,), jnp.float32)
+    row = lambda key, t: _step_noise(key, t, v)
     per_step = lambda t: jax.vmap(row, (0, None))(keys_N, t)
     return jax.vmap(per_step)(first_step + jnp.arange(steps))
 
