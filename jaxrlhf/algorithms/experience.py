@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import NamedTuple
 
 import jax
 
 from jaxrlhf.algorithms.common import response_logprobs
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.rollout.continuous import sample_continuous
 from jaxrlhf.rollout.sampler import SampleOutput, sample
 
 
@@ -31,6 +33,12 @@ class SamplingConfig:
     pad_id: int = 0
     num_samples: int = 1  # G responses per prompt (GRPO, RLOO)
     min_new_tokens: int = 0  # EOS cannot be drawn before this many response tokens
+    slots: int = 0  # 0: one static batch of N rows; S > 0: continuous batching, S rows decoded at once
+
+    def __post_init__(self):
+        if isinstance(self.slots, bool) or not isinstance(self.slots, numbers.Integral) or self.slots < 0:
+            raise ValueError(f"sampling.slots={self.slots!r}: expected an integer >= 0 (0: the static sampler; "
+                             "S > 0: continuous batching with S slots)")
 
 
 class Experience(NamedTuple):
@@ -60,11 +68,15 @@ class Experience(NamedTuple):
 def sample_responses(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
                      sampling: SamplingConfig) -> SampleOutput:
     """`sampling.num_samples` responses to each of the `B` prompts `[B, P]` (left-padded),
-    `N = B·G` rows with each prompt's samples contiguous, drawn as `sampling` says."""
-    return sample(model, params, prompt_ids, prompt_mask, rng, max_new_tokens=sampling.max_new_tokens,
-                  temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  eos_id=sampling.eos_id, pad_id=sampling.pad_id, num_samples=sampling.num_samples,
-                  min_new_tokens=sampling.min_new_tokens)
+    `N = B·G` rows with each prompt's samples contiguous, drawn as `sampling` says: one
+    static batch, or with `sampling.slots = S > 0` continuous batching over S slots
+    (`rollout.continuous`; the same tokens, faster where response lengths spread)."""
+    kw = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+              top_p=sampling.top_p, eos_id=sampling.eos_id, pad_id=sampling.pad_id,
+              num_samples=sampling.num_samples, min_new_tokens=sampling.min_new_tokens)
+    if sampling.slots:
+        return sample_continuous(model, params, prompt_ids, prompt_mask, rng, slots=sampling.slots, **kw)
+    return sample(model, params, prompt_ids, prompt_mask, rng, **kw)
 
 
 def score_responses(model: Transformer, params, sequences, attention_mask, prompt_len: int, *, temperature: float,

@@ -88,9 +88,10 @@ def optim(**kw) -> mlc.ConfigDict:
 
 def sampling(**kw) -> mlc.ConfigDict:
     """How the RL phases sample (`algorithms.experience.SamplingConfig`); `min_new_tokens`:
-    the task's EOS cannot be drawn before that many response tokens (0 = off)."""
+    the task's EOS cannot be drawn before that many response tokens (0 = off); `slots`:
+    0 = one static batch, S > 0 = continuous batching with S rows decoded at once."""
     return mlc.ConfigDict(dict(dict(max_new_tokens=8, min_new_tokens=0, temperature=1.0, top_k=0, top_p=1.0,
-                                    num_samples=8), **kw))
+                                    num_samples=8, slots=0), **kw))
 
 
 def sft(**kw) -> mlc.ConfigDict:
