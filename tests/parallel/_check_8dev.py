@@ -31,6 +31,7 @@ from jaxrlhf import parallel  # noqa: E402
 from jaxrlhf.algorithms.common import TrainState  # noqa: E402
 from jaxrlhf.models import load_pretrained, random_init, save_pretrained, stack_layers  # noqa: E402
 from jaxrlhf.models.transformer import Transformer, init_cache, init_params  # noqa: E402
+from jaxrlhf.rollout.continuous import sample_continuous  # noqa: E402
 from jaxrlhf.rollout.sampler import cpu_row_blocks, generate  # noqa: E402
 
 MESHES = {"fsdp4_tensor2": "data=1,fsdp=4,tensor=2", "data2_fsdp4": "data=2,fsdp=4,tensor=1"}
@@ -322,10 +323,15 @@ def train_step_equals_unsharded():
     return "; ".join(out)
 
 
+@cached
+def qwen3_sampling_params():
+    """The sampling checks' Qwen3 params, scaled ×8 for decisive choices (one eager init)."""
+    return M.scale_params(init_params(Transformer(M.QWEN3), jax.random.key(5)), 8.0)
+
+
 @check
 def sampler_equals_unsharded():
-    model = Transformer(M.QWEN3)
-    params = M.scale_params(init_params(model, jax.random.key(5)), 8.0)
+    model, params = Transformer(M.QWEN3), qwen3_sampling_params()
     ids, mask = M.prompts()
     kw = dict(max_new_tokens=6, temperature=0.0, eos_id=None)
     ref = generate(model, params, ids, mask, jax.random.key(0), **kw)
@@ -353,6 +359,28 @@ def sampler_equals_unsharded():
     layer = parallel.cache_shardings(init_cache(model.config, 8, 11), mesh)[0]  # k [B,K,H,S], v [B,K,S,H]
     assert (layer.k.spec, layer.v.spec) == (P("fsdp", "tensor", None, None),) * 2, layer
     return f"tokens {np.asarray(ref.response_ids)[0].tolist()}"
+
+
+@check
+def continuous_equals_unsharded():
+    """Continuous batching (3 slots, a queue of 16 rows) with params under (fsdp=4, tensor=2)
+    and the prompt rows over fsdp samples what the static sampler samples on one device."""
+    model, params = Transformer(M.QWEN3), qwen3_sampling_params()
+    embed = params["embed_tokens"]["embedding"]
+    params = dict(params, embed_tokens={"embedding": embed.at[2].multiply(3.0)})  # tied head: EOS likelier
+    ids, mask = M.prompts()
+    kw = dict(max_new_tokens=5, temperature=1.0, eos_id=2, num_samples=2)
+    ref = generate(model, params, ids, mask, jax.random.key(3), cpu_threads=1, **kw)
+    mesh = mesh_of("fsdp4_tensor2")
+    p_sh = parallel.param_shardings(model, mesh)
+    rows = jax.sharding.NamedSharding(mesh, parallel.batch_spec(2, mesh, rows=8))
+    fn = jax.jit(lambda p, i, m, r: sample_continuous(model, p, i, m, r, slots=3, **kw))
+    out = fn(jax.device_put(params, p_sh), jax.device_put(ids, rows), jax.device_put(mask, rows), jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(ref.response_ids))
+    close(out.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4, what="logprobs")
+    lengths = np.asarray(ref.lengths)
+    assert len(set(lengths.tolist())) > 1, lengths
+    return f"lengths {lengths.tolist()}"
 
 
 @check

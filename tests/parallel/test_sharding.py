@@ -18,7 +18,7 @@ from _runner import run_checks  # noqa: E402
 CHECKS = [
     "mesh_shapes", "every_param_sharded", "missing_rule_errors", "indivisible_errors", "bytes_per_device",
     "init_equals_unsharded", "forward_equals_unsharded", "chunked_head_equals_unsharded", "train_step_equals_unsharded",
-    "sampler_equals_unsharded", "checkpoint_restores_into_other_mesh", "hf_load_sharded_equals_whole",
+    "sampler_equals_unsharded", "continuous_equals_unsharded", "checkpoint_restores_into_other_mesh", "hf_load_sharded_equals_whole",
     "scanned_stack_sharded", "splash_shard_map_equals_dense", "gemma2_with_lora_equals_unsharded",
 ]
 
