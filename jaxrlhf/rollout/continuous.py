@@ -57,15 +57,19 @@ def _prompt_part(kv: KVCache, p: int) -> KVCache:
     return KVCache(kv.k[..., :p], kv.v[..., :p, :])
 
 
-def _copy_prompts(kv: KVCache, prompt_kv: KVCache, take_S: jax.Array, b_S: jax.Array) -> KVCache:
-    """Slots where `take_S` get prompt `b_S`'s cache in their first P slots; the rest keep theirs."""
-    def leaf(a, prompt_a, axis):
-        p = prompt_a.shape[axis]
-        keep = jax.lax.slice_in_dim(a, 0, p, axis=axis)
-        take = take_S.reshape((-1,) + (1,) * (a.ndim - 1))
-        return jax.lax.dynamic_update_slice_in_dim(a, jnp.where(take, prompt_a[b_S], keep), 0, axis)
+def _copy_prompts(cache, prompt_cache, take_S: jax.Array, b_S: jax.Array):
+    """The cache with prompt `b_S[s]`'s prefilled cache in the first P cache slots of every
+    slot s where `take_S`; one in-place copy per slot taken (a loop of as many steps as
+    slots are taken: most decode steps take none or a few)."""
+    slot_S = jnp.nonzero(take_S, size=take_S.shape[0], fill_value=0)[0]
 
-    return KVCache(leaf(kv.k, prompt_kv.k, kv.k.ndim - 1), leaf(kv.v, prompt_kv.v, kv.v.ndim - 2))
+    def one(j, cache):
+        slot = slot_S[j]
+        put = lambda a, prompt_a: jax.lax.dynamic_update_index_in_dim(
+            a, jax.lax.dynamic_index_in_dim(prompt_a, b_S[slot], 0, keepdims=False), slot, 0)
+        return _per_layer(lambda kv, pkv: KVCache(put(kv.k, pkv.k), put(kv.v, pkv.v)), cache, prompt_cache)
+
+    return jax.lax.fori_loop(0, take_S.sum(), one, cache)
 
 
 def sample_continuous(
@@ -137,10 +141,7 @@ def sample_continuous(
         take_S = free_S & (pos_S < queued)
         row_S = jnp.where(take_S, queue[jnp.clip(pos_S, 0, n - 1)], jnp.where(free_S, n, state["row"]))
         b_S = jnp.minimum(row_S, n - 1) // g
-        cache = jax.lax.cond(jnp.any(take_S),
-                             lambda c: _per_layer(lambda kv, pkv: _copy_prompts(kv, pkv, take_S, b_S), c,
-                                                  prompt_cache),
-                             lambda c: c, state["cache"])
+        cache = _copy_prompts(state["cache"], prompt_cache, take_S, b_S)
         return dict(state, cache=cache, row=row_S, head=state["head"] + take_S.sum(dtype=jnp.int32),
                     t=jnp.where(take_S, 1, state["t"]),
                     token=jnp.where(take_S, first_tok[jnp.minimum(row_S, n - 1)], state["token"]))
