@@ -170,7 +170,8 @@ def sample_continuous(
                             banned, ban_eos and (t_S < min_new_tokens)[:, None])
         at = lambda x, val: x.at[row_S, t_S].set(val, mode="drop")  # idle slots (row n) write nothing
         done = (t_S + 1 == t_max) if eos_id is None else (token == eos_id) | (t_S + 1 == t_max)
-        state = dict(state, cache=out.cache, t=t_S + 1, token=token, tokens=at(state["tokens"], token),
+        next_t = jnp.where(row_S < n, t_S + 1, t_S)  # an idle slot stays put (its cache index in range)
+        state = dict(state, cache=out.cache, t=next_t, token=token, tokens=at(state["tokens"], token),
                      logps=at(state["logps"], logp), valid=at(state["valid"], True))
         return refill(state, done | (row_S == n))
 
