@@ -3,6 +3,7 @@
     python benchmarks/bench_rollout.py            # B = 16 and B = 64, both frameworks
     python benchmarks/bench_rollout.py --quick    # fewer repeats
     python benchmarks/bench_rollout.py --tunix-python /tmp/venv_tunix/bin/python   # + Tunix
+    python benchmarks/bench_rollout.py --skewed   # continuous batching on skewed lengths
 
 With `--tunix-python`, Google's Tunix sampler runs too, in that interpreter's environment
 (`tunix_rollout_worker.py`; Tunix's own Llama3 at the workload's sizes, same jax), right
@@ -23,6 +24,13 @@ device, one process, what `generate` does by default.
 tiny Llama in float32 on the CPU, torch with 2 threads. Both models get the same weights
 (the HF model's default init after `torch.manual_seed(0)`, converted), and greedy decoding
 is checked to agree before timing. Writes benchmarks/results/rollout.json (or --out).
+
+`--skewed` measures continuous batching instead (`rollout.continuous`; `skewed`): the
+workload's model (random init) with an EOS bias, a queue of 64 prompts × 4 samples = 256
+rows of up to T = 96 tokens (τ = 1), and useful (valid) tokens per second of S slots
+(`--slots`, default 32) against the static sampler run over the same queue in batches of S
+rows (the same cache memory) and as one batch of 256. All three must sample the same
+tokens; the arms are timed alternately, medians reported. Writes rollout_skewed.json.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 NEW_TOKENS = 64
+SKEW_T, SKEW_SAMPLES, SKEW_EOS, SKEW_BIAS = 96, 4, 2, 0.75
 
 
 def main():
@@ -52,8 +61,12 @@ def main():
     ap.add_argument("--tunix-python", default=None, help="a python with google-tunix installed")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="also run the sampler with the batch over this many CPU devices (0: off)")
+    ap.add_argument("--skewed", action="store_true", help="continuous batching on a skewed-length workload")
+    ap.add_argument("--slots", type=int, nargs="+", default=[32], help="--skewed: slot counts S")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
+    if args.skewed:
+        return skewed(args, warmup, repeats)
 
     import jax
     import jax.numpy as jnp
@@ -143,6 +156,99 @@ def main():
                     print(f"B={b}: {label} / {peer} speed = {ratio:.2f}x")
     print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
     print("wrote", _common.write_json(args.out, "rollout.json", results))
+
+
+def eos_biased_params(params, bias: float, eos_id: int):
+    """`params` with a near-constant EOS logit bias: every token embedding's coordinate 0 is
+    1 (the final norm then keeps that coordinate large and steady), and the LM head reads
+    coordinate 0 into the EOS logit only, times `bias`. The other logits are the random
+    model's, and the context still moves the EOS logit, so rows end at very different steps."""
+    embed = params["embed_tokens"]["embedding"].at[:, 0].set(1.0)
+    head = params["lm_head"]["kernel"].at[0, :].set(0.0).at[0, eos_id].set(bias)
+    return dict(params, embed_tokens={"embedding": embed}, lm_head={"kernel": head})
+
+
+def skewed(args, warmup: int, repeats: int):
+    """Continuous batching against the static sampler on a skewed-length queue (module doc)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.models import Transformer, init_params
+    from jaxrlhf.rollout import sample, sample_continuous
+
+    model = Transformer(_common.jax_llama_config())
+    params = eos_biased_params(init_params(model, jax.random.key(0)), SKEW_BIAS, SKEW_EOS)
+    prompts = np.asarray(_common.load_workload(args.prompts)["prompts"], np.int32)  # [64, 32]
+    ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
+    rows = len(prompts) * SKEW_SAMPLES
+    kw = dict(max_new_tokens=SKEW_T, temperature=1.0, eos_id=SKEW_EOS, num_samples=SKEW_SAMPLES)
+    static = jax.jit(functools.partial(sample, model, **kw))
+    key = jax.random.key(1)
+    whole = static(params, ids, mask, key)
+    lengths = np.asarray(whole.lengths)
+    useful = int(lengths.sum())
+    results = {"workload": "skewed lengths", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "machine": platform.processor() or platform.machine(), "jax": jax.__version__, "rows": rows,
+               "max_new_tokens": SKEW_T, "eos_bias": SKEW_BIAS, "useful_tokens": useful,
+               "lengths": {"mean": float(lengths.mean()), "median": float(np.median(lengths)),
+                           "p90": float(np.percentile(lengths, 90)), "at_most_T/4": float((lengths <= SKEW_T // 4).mean()),
+                           "reach_T": int((lengths == SKEW_T).sum())},
+               "runs": []}
+
+    def block(out):
+        return out.response_ids.block_until_ready()
+
+    for s in args.slots:
+        per = s // SKEW_SAMPLES  # prompts per static batch of S rows
+        if per < 1 or len(prompts) % per:
+            raise SystemExit(f"--slots {s}: S / {SKEW_SAMPLES} samples must divide the {len(prompts)} prompts")
+        cont = jax.jit(functools.partial(sample_continuous, model, slots=s, **kw))
+
+        def batches():
+            return [static(params, ids[i:i + per], mask[i:i + per], key, first_row=jnp.int32(i * SKEW_SAMPLES))
+                    for i in range(0, len(prompts), per)]
+
+        got = cont(params, ids, mask, key)
+        split = [np.asarray(o.response_ids) for o in batches()]
+        for name, tokens in (("continuous", np.asarray(got.response_ids)), ("static, S rows", np.concatenate(split))):
+            if not (tokens == np.asarray(whole.response_ids)).all():
+                raise RuntimeError(f"{name} sampled other tokens than one static batch (S={s})")
+        arms = {f"continuous, S={s}": lambda: block(cont(params, ids, mask, key)),
+                f"static, batches of S={s}": lambda: [block(o) for o in batches()],
+                f"static, one batch of {rows}": lambda: block(static(params, ids, mask, key))}
+        times = {name: [] for name in arms}
+        for _ in range(warmup):
+            for fn in arms.values():
+                fn()
+        with _common.CpuWatch() as watch:
+            for _ in range(repeats):  # alternate the arms: a shared machine's load hits all of them
+                for name, fn in arms.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+        for name, ts in times.items():
+            t = _common.summary(ts)
+            t.update(watch.result(), impl=name, slots=s, useful_tokens_per_s=useful / t["median_s"])
+            results["runs"].append(t)
+        cont_s = times[f"continuous, S={s}"]
+        for name in list(arms)[1:]:
+            results[f"speedup_S{s}_vs_{name}"] = float(np.median(times[name]) / np.median(cont_s))
+    results["peak_rss_mib"] = _common.peak_rss_mib()
+
+    ln = results["lengths"]
+    print(f"{rows} rows, T = {SKEW_T}: lengths mean {ln['mean']:.1f}, median {ln['median']:.0f}, p90 {ln['p90']:.0f}, "
+          f"{ln['at_most_T/4']:.0%} within T/4, {ln['reach_T']} reach T; {useful} useful tokens; same tokens: True\n")
+    print("| impl | median s | min s | max s | useful tokens/s | others' cores |")
+    print("|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['impl']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} | "
+              f"{r['useful_tokens_per_s']:,.0f} | {r['others_cores']} |")
+    for k, v in results.items():
+        if k.startswith("speedup"):
+            print(f"{k}: {v:.2f}x")
+    print("wrote", _common.write_json(args.out, "rollout_skewed.json", results))
 
 
 def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str | None) -> dict:
