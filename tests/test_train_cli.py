@@ -151,6 +151,7 @@ def _config(algorithm, **sections):
     ("grpo", {"grpo": {"sampling": {"min_new_tokens": 9}}}, 1,
      r"grpo.sampling.min_new_tokens=9 is impossible: it must be <= grpo.sampling.max_new_tokens=8"),
     ("ppo", {"ppo": {"sampling": {"min_new_tokens": -1}}}, 1, r"ppo.sampling.min_new_tokens=-1 is impossible"),
+    ("grpo", {"grpo": {"sampling": {"slots": -1}}}, 1, r"grpo.sampling.slots=-1 is impossible: it must be >= 0"),
 ])
 def test_every_phase_checked_against_the_mesh_before_any_work(algorithm, sections, ways, message):
     config = _config(algorithm, **sections)
