@@ -193,7 +193,8 @@ def skewed(args, warmup: int, repeats: int):
                "machine": platform.processor() or platform.machine(), "jax": jax.__version__, "rows": rows,
                "max_new_tokens": SKEW_T, "eos_bias": SKEW_BIAS, "useful_tokens": useful,
                "lengths": {"mean": float(lengths.mean()), "median": float(np.median(lengths)),
-                           "p90": float(np.percentile(lengths, 90)), "at_most_T/4": float((lengths <= SKEW_T // 4).mean()),
+                           "p90": float(np.percentile(lengths, 90)),
+                           "at_most_T/4": float((lengths <= SKEW_T // 4).mean()),
                            "reach_T": int((lengths == SKEW_T).sum())},
                "runs": []}
 
