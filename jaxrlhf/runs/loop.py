@@ -191,6 +191,10 @@ def run_phase(
     the checkpoints' `best` item so a resumed run keeps the same ones, and put back with
     `with_params(state, best)` before the final save. Its state is in every checkpoint's
     meta; the final metrics row adds `early_stop/best_step` and `early_stop/best_value`.
+
+    Every step's metrics get `time/step_s` and `time/compiles`; the phase ends with a log
+    line of where its time went (`TimeSplit`: the means of the steps' `time/*` metrics over
+    the steps that compiled nothing).
     """
     if early_stop is not None:
         if eval_fn is None or not phase.eval_every:

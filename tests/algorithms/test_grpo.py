@@ -478,11 +478,12 @@ def test_prompts_of_five_lengths_compile_once_per_bucket_and_padding_changes_not
     masks = [mask0] + [jnp.ones_like(ids, bool) for ids in batches[1:]]
     state = grpo.init_state(PARAMS, optax.sgd(0.0))  # lr 0: every call sees the same policy
 
-    it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=(8, 16))
+    # One program per bucket (time_split=False): the buckets are the point here, not the split.
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=(8, 16), time_split=False)
     metrics = [it(state, ids, mask, {}, jax.random.key(0))[1] for ids, mask in zip(batches, masks)]
     assert [m["time/compiles"] > 0 for m in metrics] == [True, False, False, True, False], metrics
 
-    plain = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=None)
+    plain = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=None, time_split=False)
     _, m = plain(state, batches[0], mask0, {}, jax.random.key(0))
     for k in ("reward/mean", "loss", "grad_norm", "entropy"):
         np.testing.assert_allclose(metrics[0][k], m[k], rtol=1e-5, atol=1e-6, err_msg=k)
