@@ -191,12 +191,18 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
     update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
     compiled = {}
 
+    def out_sharding(x):
+        """Rows over the batch shards; replicated for a scalar, or for rows that do not split
+        over them (dynamic sampling's update batch of prompts_per_step × G rows)."""
+        if x.ndim and x.shape[0] % placement.batch_ways == 0:
+            return placement.rows(x.ndim, x.shape[0])
+        return placement.replicated
+
     def rows_out(name, fn):
         """`fn` jitted at its first call with its outputs' rows over the batch shards."""
         def call(*args):
             if name not in compiled:
-                sh = jax.tree.map(lambda x: placement.rows(x.ndim, x.shape[0]) if x.ndim else placement.replicated,
-                                  jax.eval_shape(fn, *args))
+                sh = jax.tree.map(out_sharding, jax.eval_shape(fn, *args))
                 compiled[name] = jax.jit(fn, out_shardings=sh)
             return compiled[name](*args)
         return call
