@@ -181,7 +181,8 @@ def worker_jax(ckpt: str, steps: int, options: dict, grpo_options: dict | None =
 
     reward = _common.token_fraction_reward(target, name="frac_the")
     # prompt_buckets=None: the prompts keep the length the peers run them at.
-    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True, prompt_buckets=None)
+    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True, prompt_buckets=None,
+                                    time_split=False)
     box = {"state": grpo.init_state(params, tx, ref_params=ref)}
     del params, ref
     rng = jax.random.key(0)

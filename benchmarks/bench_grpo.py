@@ -9,7 +9,7 @@ batch), clip 0.2, β = 0, μ = 1; AdamW lr 1e-6 decayed linearly to 0 over the r
 weight decay 0, max_grad_norm 1.0.
 
 jaxrlhf runs rollout → reward → advantages → update as one jitted program
-(`grpo.make_iteration`, state donated); its generation share is the median time of the
+(`grpo.make_iteration(..., time_split=False)`, state donated); its generation share is the median time of the
 rollout alone (the same sampler, jitted on its own) over the median step. TRL runs
 `GRPOTrainer` (bf16=False, gradient checkpointing on — TRL's default — and off,
 `generation_kwargs={"min_new_tokens": 64}`, `torch.set_num_threads(2)`); its generation time
@@ -79,8 +79,9 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
 
     reward = _common.token_fraction_reward(TARGET, name="frac7")
     # prompt_buckets=None: the prompts keep the length the peers run them at.
-    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True, prompt_buckets=None)
-    rollout = jax.jit(functools.partial(grpo.rollout, model=model, cfg=cfg, reward=reward))
+    iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True, prompt_buckets=None,
+                                    time_split=False)
+    rollout = jax.jit(functools.partial(grpo.rollout, model=model, cfg=cfg))
     box = {"state": grpo.init_state(params, tx)}
     rng = jax.random.key(0)
 
@@ -96,8 +97,7 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
 
     def gen(i):
         ids, mask = batch(i)
-        out, scores = rollout(box["state"], ids, mask, {}, rng)
-        jax.block_until_ready((out, scores))
+        jax.block_until_ready(rollout(box["state"], ids, mask, rng))
 
     t0 = time.perf_counter()
     first = step(0)

@@ -84,7 +84,7 @@ def run_jaxrlhf(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> 
     tx, sched = common.make_optimizer(optim)
     state = ppo.init_state(cfg, actor, actor_params, tx, critic_model=critic, critic_params=critic_params,
                            tx_critic=tx, reward=(rm, rm_params))
-    iteration = ppo.make_iteration(actor, critic, rm, tx, tx, cfg, lr_schedule=sched)
+    iteration = ppo.make_iteration(actor, critic, rm, tx, tx, cfg, lr_schedule=sched, time_split=False)
     p_ids, p_mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
     rng = jax.random.key(0)
     box = {"state": state, "metrics": None}

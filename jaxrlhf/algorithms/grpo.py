@@ -22,16 +22,17 @@ options of one `GRPOConfig` (see `preset`):
     iteration = grpo.make_iteration(model, tx, cfg, reward)
     state, metrics = iteration(state, prompt_ids, prompt_mask, extras, rng)
 
-`make_iteration` compiles rollout → reward → advantages → μ×minibatch update into one XLA
-program when the reward is pure JAX; with a host (Python) reward it runs two programs,
-rollout + JAX scoring, then the update, with the host reward in between.
+An iteration is `rollout` (sampling) → `score` (reward, advantages, old/ref log-probs) →
+`train` (μ × minibatch updates). `make_iteration` runs them as three timed programs
+(`timing.run_split`: `time/rollout_s`, `time/scoring_s`, `time/update_s`, tokens/s), a host
+(Python) reward scored between the first two; with `time_split=False` and a pure-JAX reward
+the whole iteration is one XLA program.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax
@@ -41,7 +42,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import common, scoring
+from jaxrlhf.algorithms import common, scoring, timing
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
 from jaxrlhf.models import lora
@@ -430,28 +431,27 @@ def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, g
 # --------------------------------------------------------------------------- iteration
 
 
-def rollout(state: GRPOState, prompt_ids, prompt_mask, extras, rng, *, model: Transformer, cfg: GRPOConfig,
-            reward: rewards_lib.Reward) -> tuple[SampleOutput, dict]:
-    """Samples G responses per prompt and runs the reward's JAX components on them.
-
-    Returns: `(SampleOutput [N = B·G], {component: [N] scores})`.
-    """
+def rollout(state: GRPOState, prompt_ids, prompt_mask, rng, *, model: Transformer, cfg: GRPOConfig) -> SampleOutput:
+    """Samples G responses per prompt: a `SampleOutput` of `N = B·G` rows, a prompt's
+    samples contiguous."""
     key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
-    out = sample_responses(model, state.policy.params, prompt_ids, prompt_mask, key, cfg.sampling)
-    extras_N = scoring.repeat_extras(extras, cfg.group_size, prompt_ids.shape[0])
-    return out, reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N)
+    return sample_responses(model, state.policy.params, prompt_ids, prompt_mask, key, cfg.sampling)
 
 
-def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Transformer,
-          tx: optax.GradientTransformation, cfg: GRPOConfig, reward: rewards_lib.Reward,
-          schedule: Callable | None = None) -> tuple[GRPOState, dict]:
-    """Scores → (overlong penalty) → (dynamic selection) → advantages → old/ref log-probs →
-    `update`. `scores` holds every component of `reward`, `[N]` each."""
+def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *, model: Transformer,
+          cfg: GRPOConfig, reward: rewards_lib.Reward) -> tuple[Batch, dict]:
+    """The reward's JAX components on `out` (given the prompts' `extras`, `[B, ...]`
+    arrays, repeated per sample) beside its host ones' `host_scores` (`{name: [N]}`), then
+    (overlong penalty) → (dynamic selection) → advantages → old/ref log-probs: the update's
+    `Batch` and the rollout's metrics."""
+    del rng
     g = cfg.group_size
     n_pool = out.response_ids.shape[0]
     if cfg.uses_reference and reference_params(state) is None:
         raise ValueError(f"GRPO with beta={cfg.beta}, track_kl={cfg.track_kl} needs a reference model: "
                          "init_state(params, tx, ref_params=...), or LoRA adapters on the policy")
+    extras_N = scoring.repeat_extras(extras, g, n_pool // g)
+    scores = {**reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N), **host_scores}
     total = reward.total(scores)
     lengths = out.response_mask.sum(axis=1)
     metrics = dict(reward.metrics(scores))
@@ -482,21 +482,35 @@ def learn(state: GRPOState, out: SampleOutput, scores: dict, rng, *, model: Tran
 
     p = out.sequences.shape[1] - mask.shape[1]
     temp = cfg.sampling.temperature
-    score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
-                              prompt_len=p, temperature=temp, group_size=cfg.prompt_group(n))
-    old_logp = None if cfg.reuses_rollout_logp else score(state.policy.params)
-    ref_logp = score(reference_params(state)) if cfg.uses_reference else None
-    batch = Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs)
-    if schedule is not None:
-        metrics["lr"] = jnp.asarray(schedule(state.policy.step), jnp.float32)
+    forward = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
+                                prompt_len=p, temperature=temp, group_size=cfg.prompt_group(n))
+    old_logp = None if cfg.reuses_rollout_logp else forward(state.policy.params)
+    ref_logp = forward(reference_params(state)) if cfg.uses_reference else None
+    return Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs), metrics
+
+
+def train(state: GRPOState, batch: Batch, rng, *, model: Transformer, tx: optax.GradientTransformation,
+          cfg: GRPOConfig, schedule: Callable | None = None) -> tuple[GRPOState, dict]:
+    """`update` on the scored batch with the iteration's update key, then the step count;
+    `lr` in the metrics when given the `schedule`."""
+    metrics = {} if schedule is None else {"lr": jnp.asarray(schedule(state.policy.step), jnp.float32)}
     key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 1)
     state, upd = update(state, batch, key, model=model, tx=tx, cfg=cfg)
-    metrics.update(upd)
-    return state.replace(step=state.step + 1), metrics
+    return state.replace(step=state.step + 1), {**metrics, **upd}
+
+
+def split(model: Transformer, tx: optax.GradientTransformation, cfg: GRPOConfig, reward, *,
+          schedule: Callable | None = None) -> timing.Split:
+    """The iteration as `timing.Split(rollout, score, train)` (pure functions, not jitted):
+    `make_iteration` and the command line's sharded step (`runs.phases`) jit them."""
+    reward = rewards_lib.as_reward(reward)
+    return timing.Split(timing.count_tokens(functools.partial(rollout, model=model, cfg=cfg)),
+                        functools.partial(score, model=model, cfg=cfg, reward=reward),
+                        functools.partial(train, model=model, tx=tx, cfg=cfg, schedule=schedule))
 
 
 def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GRPOConfig, reward, *,
-                   schedule: Callable | None = None, donate: bool = False,
+                   schedule: Callable | None = None, donate: bool = False, time_split: bool = True,
                    prompt_buckets: Sequence[int] | None = buckets.DEFAULT_BUCKETS):
     """`iteration(state, prompt_ids, prompt_mask, extras, rng) -> (state, metrics)`.
 
@@ -507,11 +521,15 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
       reward: a `rewards.Reward` (or a bare JAX reward callable).
       schedule: the learning-rate schedule, only to report `lr`.
       donate: donate the state's buffers to the compiled program(s).
+      time_split: run the iteration as three jitted programs (rollout, scoring, update;
+        `timing.run_split`), each waited for, and report their times (`timing.RL_STEP`:
+        `time/rollout_s`, `time/scoring_s`, `time/update_s`, `time/tokens_per_s`,
+        `time/step_tokens_per_s`). False: a pure-JAX reward's iteration is one program and
+        reports no times. The results are the same either way (float rounding aside).
       prompt_buckets: prompts are left-padded to the smallest of these lengths that holds
         them (`rollout.buckets`; powers of two from 16 by default; None: never), so that
         prompts of many lengths compile a handful of programs; `time/compiles` in the metrics
-        counts the XLA compilations of each call (not reported when the iteration is
-        traced inside the caller's own jit).
+        counts the XLA compilations of each call.
 
     The iteration takes `prompt_ids`, `prompt_mask` `[B, P]` (left-padded; with dynamic
     sampling and `prompts_per_step` a pool of B ≥ prompts_per_step prompts), `extras` (a
@@ -519,55 +537,46 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     get non-array values such as lists of B strings) and a PRNG key (folded with the
     step, so a constant key is fine).
 
-    A pure-JAX reward gives one jitted program, a host reward two (rollout with the reward's
-    JAX parts, then the update), with `time/host_reward_s`: the host reward alone, timed
-    after the rollout's outputs are ready. `iteration.compiled` is always the tuple of the
-    jitted programs in the order they run — `(iteration,)` or `(rollout, learn)` — e.g.
-    for `iteration.compiled[0].lower(...)`; `iteration.is_single_program` says which.
+    Called inside the caller's own jit (traced arguments) the iteration is the fused one
+    program, with no times and no `time/compiles` (nothing can be timed there). A host
+    (Python) reward always runs the three programs, scored between the rollout and the
+    scoring program, with `time/host_reward_s`: the host reward alone (inside
+    `time/scoring_s`). `iteration.compiled` is the tuple of the jitted programs in the order
+    they run — `(fused,)` or `(rollout, score, train)` — e.g. for
+    `iteration.compiled[0].lower(...)`; `iteration.is_single_program` says which.
     """
     reward = rewards_lib.as_reward(reward)
-    roll = functools.partial(rollout, model=model, cfg=cfg, reward=reward)
-    learn_ = functools.partial(learn, model=model, tx=tx, cfg=cfg, reward=reward, schedule=schedule)
+    parts = split(model, tx, cfg, reward, schedule=schedule)
     donate_args = (0,) if donate else ()
     pad = functools.partial(buckets.pad_to_bucket, buckets=prompt_buckets, pad_id=cfg.sampling.pad_id,
                             limit=model.config.max_position_embeddings - cfg.sampling.max_new_tokens)
-
-    if reward.is_jax:
-        @functools.partial(jax.jit, donate_argnums=donate_args)
-        def fused(state, prompt_ids, prompt_mask, extras, rng):
-            out, scores = roll(state, prompt_ids, prompt_mask, extras, rng)
-            return learn_(state, out, scores, rng)
-
-        def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
-            arrays, _ = scoring.split_extras(extras)
-            if isinstance(prompt_ids, jax.core.Tracer):  # inside the caller's jit: no compiles to count
-                return fused(state, *pad(prompt_ids, prompt_mask), arrays, _key(rng))
-            with buckets.CompileCounter() as compiles:
-                state, metrics = fused(state, *pad(prompt_ids, prompt_mask), arrays, _key(rng))
-            return state, {**metrics, "time/compiles": compiles.count}
-
-        iteration.is_single_program = True
-        iteration.compiled = (fused,)
-        return iteration
-
-    roll_jit = jax.jit(roll)
-    learn_jit = jax.jit(learn_, donate_argnums=donate_args)
+    fused = jax.jit(parts.fused, donate_argnums=donate_args)
+    programs = (jax.jit(parts.rollout), jax.jit(parts.score), jax.jit(parts.train, donate_argnums=donate_args))
+    single = reward.is_jax and not time_split
     g = cfg.group_size
+
+    def host(extras):
+        if reward.is_jax:
+            return None
+        return lambda out: scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id)
 
     def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
         arrays, _ = scoring.split_extras(extras)
         rng = _key(rng)
+        if isinstance(prompt_ids, jax.core.Tracer):  # inside the caller's jit: nothing to time or count
+            if not reward.is_jax:
+                raise ValueError("a GRPO iteration with a host reward cannot run inside jit: call it eagerly")
+            return parts.fused(state, *pad(prompt_ids, prompt_mask), arrays, rng)
         with buckets.CompileCounter() as compiles:
-            out, scores = roll_jit(state, *pad(prompt_ids, prompt_mask), arrays, rng)
-            out = jax.device_get(out)  # waits for the rollout: not part of the reward's time
-            t0 = time.perf_counter()
-            host = scoring.host_scores(reward, out, extras, g, eos_id=cfg.sampling.eos_id)
-            dt = time.perf_counter() - t0
-            state, metrics = learn_jit(state, out, {**scores, **host}, rng)
-        return state, {**metrics, "time/host_reward_s": dt, "time/compiles": compiles.count}
+            if single:
+                state, metrics = fused(state, *pad(prompt_ids, prompt_mask), arrays, rng)
+            else:
+                state, metrics = timing.run_split(*programs, state, *pad(prompt_ids, prompt_mask), arrays, rng,
+                                                  host=host(extras))
+        return state, {**metrics, timing.COMPILES: compiles.count}
 
-    iteration.is_single_program = False
-    iteration.compiled = (roll_jit, learn_jit)
+    iteration.is_single_program = single
+    iteration.compiled = (fused,) if single else programs
     return iteration
 
 
@@ -578,5 +587,5 @@ def _key(rng):
 
 
 __all__ = ["ADVANTAGES", "Batch", "GRPOConfig", "GRPOState", "GroupSelection", "compute_advantages",
-           "importance_logp", "init_state", "learn", "loss_fn", "make_iteration", "overlong_penalty", "preset",
-           "rollout", "select_groups", "update"]
+           "importance_logp", "init_state", "loss_fn", "make_iteration", "overlong_penalty", "preset", "rollout",
+           "score", "select_groups", "split", "train", "update"]

@@ -3,8 +3,7 @@
 Actor (trained, LM head), critic (trained: its own "score"-head `Transformer`, or a value
 head on the actor's trunk, `head="lm_value"`), reference (frozen copy of the starting
 actor) and reward (a `rewards.Reward`: a frozen reward-model `Transformer`, whose params
-the state holds, or JAX reward functions; see `scoring.compiled_reward`). One iteration,
-compiled into one XLA program by `make_iteration`:
+the state holds, or JAX reward functions; see `scoring.compiled_reward`). One iteration:
 
     prompts → sample (actor) → score_rollout: old logp, ref logp, values, RM score
             → process_scores: missing-EOS penalty, whitening, clipping
@@ -13,9 +12,11 @@ compiled into one XLA program by `make_iteration`:
               loss = clipped policy loss + vf_coef·clipped value loss − ent_coef·entropy
             → KL controller step (β for the next iteration)
 
-An iteration is `rollout` (sampling, the reward's JAX components) then `learn` (the rest);
-a reward with host (text) components runs them as two programs with the host scoring in
-between, as GRPO does. The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
+An iteration is `rollout` (sampling) → `score` (the reward, forward passes, shaping, GAE,
+the KL controller) → `train` (the K epochs). `make_iteration` runs them as three timed
+programs (`timing.run_split`: `time/rollout_s`, `time/scoring_s`, `time/update_s`,
+tokens/s), a reward's host (text) components scored between the first two, as GRPO does;
+with `time_split=False` and a pure-JAX reward the iteration is one XLA program. The rollout side (`score_rollout`, `process_scores`, `compute_advantages`,
 `rollout_metrics`) is in `ppo_rollout`, the score shaping and reward plumbing PPO shares
 with the GRPO family in `scoring`; this module re-exports them.
 
@@ -34,8 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax
 import jax
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import ops, rewards
-from jaxrlhf.algorithms import kl_controller, scoring
+from jaxrlhf.algorithms import kl_controller, scoring, timing
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
@@ -436,20 +436,34 @@ def _keys(rng, state: PPOState):
     return jax.random.split(jax.random.fold_in(rng, state.step))
 
 
-def rollout(state: PPOState, prompt_ids, prompt_mask, extras, rng, *, actor_model: Transformer, cfg: PPOConfig,
-            reward: rewards.Reward) -> tuple[SampleOutput, dict]:
-    """Samples `sampling.num_samples` responses per prompt and runs the reward's JAX
-    components (the reward model on `state.reward_params`), given `extras` (`[B, ...]`
-    arrays, repeated per sample). Returns `(SampleOutput [N = B·G], {component: [N]})`."""
-    out = sample_responses(actor_model, state.actor.params, prompt_ids, prompt_mask, _keys(rng, state)[0],
-                           cfg.sampling)
-    extras_n = scoring.repeat_extras(extras, cfg.sampling.num_samples, prompt_ids.shape[0])
-    return out, reward.device_scores(rewards.RewardInput.from_sample(out), extras_n, state.reward_params)
+def rollout(state: PPOState, prompt_ids, prompt_mask, rng, *, actor_model: Transformer,
+            cfg: PPOConfig) -> SampleOutput:
+    """Samples `sampling.num_samples` responses per prompt: a `SampleOutput` of `N = B·G` rows."""
+    return sample_responses(actor_model, state.actor.params, prompt_ids, prompt_mask, _keys(rng, state)[0],
+                            cfg.sampling)
 
 
-def _score(state: PPOState, out: SampleOutput, scores: dict, *, actor_model, critic_model, reward, cfg: PPOConfig):
-    """Forward passes, score shaping, advantages and the KL controller's next β:
-    `(state, training batch, rollout metrics)`."""
+class Scored(NamedTuple):
+    """What `score` hands `train`: the training batch (`update`'s dict), the state's new
+    running score moments and KL controller, and whether the rollout's metrics are finite."""
+
+    batch: dict
+    reward_stats: RunningMoments
+    kl_ctl: kl_controller.KLControllerState
+    finite: jax.Array
+
+
+def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *, actor_model: Transformer,
+          critic_model: Transformer | None, reward: rewards.Reward, cfg: PPOConfig) -> tuple[Scored, dict]:
+    """The reward's JAX components (the reward model on `state.reward_params`) given the
+    prompts' `extras` (`[B, ...]` arrays, repeated per sample) beside the host ones'
+    `host_scores`, then the forward passes (old/ref log-probs, values), score shaping,
+    advantages and the KL controller's next β: `(Scored, rollout metrics)`."""
+    del rng
+    g = cfg.sampling.num_samples
+    extras_n = scoring.repeat_extras(extras, g, out.response_ids.shape[0] // g)
+    scores = {**reward.device_scores(rewards.RewardInput.from_sample(out), extras_n, state.reward_params),
+              **host_scores}
     p = out.sequences.shape[1] - out.response_ids.shape[1]
     roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
                          scores, sampler_logp=out.logprobs)
@@ -461,31 +475,34 @@ def _score(state: PPOState, out: SampleOutput, scores: dict, *, actor_model, cri
                  old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns)
     kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], out.sequences.shape[0], cfg=cfg.kl_config)
     metrics["beta_next"] = kl_ctl.beta
-    return state.replace(reward_stats=stats, kl_ctl=kl_ctl), batch, metrics
+    finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()]))
+    return Scored(batch, stats, kl_ctl, finite), metrics
 
 
-def _train(state: PPOState, batch, rng, *, actor_model, critic_model, tx_actor, tx_critic, cfg: PPOConfig):
-    """`update` with the iteration's update key, then the step count."""
-    state, metrics = update(state, batch, _keys(rng, state)[1], actor_model=actor_model, critic_model=critic_model,
-                            tx_actor=tx_actor, tx_critic=tx_critic, cfg=cfg)
-    return state.replace(step=state.step + 1), metrics
-
-
-def _finite(m_roll: dict, m_upd: dict) -> jax.Array:
-    return m_upd["finite"] & jnp.all(jnp.stack([jnp.isfinite(v) for v in m_roll.values()]))
-
-
-def learn(state: PPOState, out: SampleOutput, scores: dict, rng, *, actor_model: Transformer,
-          critic_model: Transformer | None, reward: rewards.Reward, tx_actor, tx_critic, cfg: PPOConfig,
-          lr_schedule: optax.Schedule | None = None) -> tuple[PPOState, dict]:
-    """The rest of an iteration after `rollout`: `scores` (every component of `reward`,
-    `[N]` each: the JAX ones from `rollout`, the host ones scored in between) → old/ref
-    log-probs and values → score shaping → advantages → K epochs → KL controller step."""
+def train(state: PPOState, scored: Scored, rng, *, actor_model: Transformer, critic_model: Transformer | None,
+          tx_actor, tx_critic, cfg: PPOConfig, lr_schedule: optax.Schedule | None = None) -> tuple[PPOState, dict]:
+    """The state takes `scored`'s score moments and KL controller, then `update` with the
+    iteration's update key, then the step count. `finite`: the update's and the rollout's
+    metrics all finite; `lr` when given the `lr_schedule`."""
     lr = {} if lr_schedule is None else {"lr": jnp.asarray(lr_schedule(state.actor.step), jnp.float32)}
+    state = state.replace(reward_stats=scored.reward_stats, kl_ctl=scored.kl_ctl)
+    state, metrics = update(state, scored.batch, _keys(rng, state)[1], actor_model=actor_model,
+                            critic_model=critic_model, tx_actor=tx_actor, tx_critic=tx_critic, cfg=cfg)
+    return state.replace(step=state.step + 1), {**metrics, **lr, "finite": metrics["finite"] & scored.finite}
+
+
+def split(actor_model: Transformer, critic_model: Transformer | None, reward_model: Any,
+          tx_actor: optax.GradientTransformation, tx_critic: optax.GradientTransformation | None, cfg: PPOConfig, *,
+          lr_schedule: optax.Schedule | None = None) -> timing.Split:
+    """The iteration as `timing.Split(rollout, score, train)` (pure functions, not jitted;
+    `reward_model` in any form `scoring.compiled_reward` accepts): `make_iteration` and the
+    command line's sharded step (`runs.phases`) jit them."""
+    reward, _ = scoring.compiled_reward(reward_model)
     models = dict(actor_model=actor_model, critic_model=critic_model, cfg=cfg)
-    state, batch, m_roll = _score(state, out, scores, reward=reward, **models)
-    state, m_upd = _train(state, batch, rng, tx_actor=tx_actor, tx_critic=tx_critic, **models)
-    return state, {**m_roll, **m_upd, **lr, "finite": _finite(m_roll, m_upd)}
+    return timing.Split(timing.count_tokens(functools.partial(rollout, actor_model=actor_model, cfg=cfg)),
+                        functools.partial(score, reward=reward, **models),
+                        functools.partial(train, tx_actor=tx_actor, tx_critic=tx_critic, lr_schedule=lr_schedule,
+                                          **models))
 
 
 def make_iteration(
@@ -497,7 +514,7 @@ def make_iteration(
     cfg: PPOConfig,
     *,
     lr_schedule: optax.Schedule | None = None,
-    fused: bool = True,
+    time_split: bool = True,
     donate: bool = True,
 ) -> Callable[..., tuple[PPOState, dict]]:
     """`iteration(state, prompt_ids [B, P], prompt_mask [B, P], rng, extras=None) -> (state, metrics)`.
@@ -508,14 +525,19 @@ def make_iteration(
       reward components (repeated for the G samples of a prompt); host components may also
       get non-array values such as lists of B strings.
     lr_schedule: the actor's schedule, to report `lr`.
-    fused=True: rollout, scoring, GAE and all epochs are ONE jitted program. With `donate`
-      the trained part of the state (actor, critic and their optimizer states) is donated;
-      the frozen reference and reward params are never donated nor copied. fused=False: three jitted phases, with host wall-clock times
-      `time_rollout_s`, `time_scoring_s`, `time_update_s` and `tokens_per_s` in the
-      metrics (the time split of SPEC §7).
-    A reward with host (text) components always runs as two programs, `rollout` then
-      `learn`, with the host components scored in between (`time/host_reward_s`), as GRPO
-      does.
+    time_split=True: rollout, scoring (reward, old/ref log-probs, values, shaping, GAE) and
+      the K epochs run as three jitted programs, each waited for (`timing.run_split`), and
+      the metrics report their times: `time/rollout_s`, `time/scoring_s`, `time/update_s`,
+      `time/tokens_per_s`, `time/step_tokens_per_s` (the time split of SPEC §7).
+      time_split=False: with a pure-JAX reward the whole iteration is ONE jitted program and
+      reports no times. The results are the same either way (float rounding aside). Called
+      inside the caller's own jit (traced arguments) the iteration is the fused one, untimed.
+    donate: the trained part of the state (actor, critic and their optimizer states) is
+      donated to the program that updates it; the frozen reference and reward params are
+      never donated nor copied.
+    A reward with host (text) components always runs the three programs, the host
+      components scored between the rollout and the scoring program (`time/host_reward_s`,
+      inside `time/scoring_s`), as GRPO does.
 
     The RNG of iteration `i` is `fold_in(rng, state.step)`: pass the same base key every time.
     """
@@ -524,57 +546,26 @@ def make_iteration(
     scoring.check_reward_vocab(actor_model.config.vocab_size, reward)
     if not cfg.shared and tx_critic is None:
         raise ValueError("critic='separate' needs tx_critic")
-    models = dict(actor_model=actor_model, critic_model=critic_model, cfg=cfg)
-    roll = functools.partial(rollout, actor_model=actor_model, cfg=cfg, reward=reward)
-    learn_ = functools.partial(learn, reward=reward, tx_actor=tx_actor, tx_critic=tx_critic, lr_schedule=lr_schedule,
-                               **models)
+    parts = split(actor_model, critic_model, reward, tx_actor, tx_critic, cfg, lr_schedule=lr_schedule)
+    fused = jit_keeping_frozen(parts.fused, _FROZEN, donate=donate)
+    programs = (jax.jit(parts.rollout), jax.jit(parts.score), jit_keeping_frozen(parts.train, _FROZEN, donate=donate))
+    g = cfg.sampling.num_samples
 
-    if not reward.is_jax:
-        j_roll = jax.jit(roll)
-        j_learn = jit_keeping_frozen(learn_, _FROZEN, donate=donate)
-        g = cfg.sampling.num_samples
+    def iteration(state, prompt_ids, prompt_mask, rng, extras=None):
+        arrays, _ = scoring.split_extras(extras)
+        if isinstance(prompt_ids, jax.core.Tracer):  # inside the caller's jit: nothing to time
+            if not reward.is_jax:
+                raise ValueError("a PPO iteration with a host reward cannot run inside jit: call it eagerly")
+            return parts.fused(state, prompt_ids, prompt_mask, arrays, rng)
+        if reward.is_jax and not time_split:
+            return fused(state, prompt_ids, prompt_mask, arrays, rng)
+        host = None if reward.is_jax else (
+            lambda out: scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id))
+        return timing.run_split(*programs, state, prompt_ids, prompt_mask, arrays, rng, host=host)
 
-        def host_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
-            arrays, _ = scoring.split_extras(extras)
-            out, scores = j_roll(state, prompt_ids, prompt_mask, arrays, rng)
-            t0 = time.perf_counter()
-            host = scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id)
-            dt = time.perf_counter() - t0
-            state, metrics = j_learn(state, out, {**scores, **host}, rng)
-            return state, {**metrics, "time/host_reward_s": dt}
-
-        return host_iteration
-
-    def fused_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
-        return learn_(state, *roll(state, prompt_ids, prompt_mask, extras, rng), rng)
-
-    if fused:
-        j_iteration = jit_keeping_frozen(fused_iteration, _FROZEN, donate=donate)
-        return lambda state, prompt_ids, prompt_mask, rng, extras=None: j_iteration(
-            state, prompt_ids, prompt_mask, rng, extras)
-
-    j_rollout = jax.jit(roll)
-    j_score = jax.jit(functools.partial(_score, reward=reward, **models))
-    j_train = jit_keeping_frozen(functools.partial(_train, tx_actor=tx_actor, tx_critic=tx_critic, **models),
-                                 _FROZEN, donate=donate)
-
-    def timed_iteration(state, prompt_ids, prompt_mask, rng, extras=None):
-        lr = {} if lr_schedule is None else {"lr": jnp.asarray(lr_schedule(state.actor.step), jnp.float32)}
-        t0 = time.perf_counter()
-        out, scores = jax.block_until_ready(j_rollout(state, prompt_ids, prompt_mask, extras, rng))
-        t1 = time.perf_counter()
-        state, batch, m_roll = jax.block_until_ready(j_score(state, out, scores))
-        t2 = time.perf_counter()
-        state, m_upd = jax.block_until_ready(j_train(state, batch, rng))
-        t3 = time.perf_counter()
-        tokens = float(m_roll["num_tokens"])
-        return state, {**m_roll, **m_upd, **lr, "finite": _finite(m_roll, m_upd), "time_rollout_s": t1 - t0,
-                       "time_scoring_s": t2 - t1, "time_update_s": t3 - t2,
-                       "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
-
-    return timed_iteration
+    return iteration
 
 
 __all__ = ["CRITIC_MODES", "MISSING_EOS_MODES", "REWARD_WHITENING", "Advantages", "PPOConfig", "PPOState", "Rollout",
-           "RunningMoments", "compute_advantages", "init_state", "learn", "loss_fn", "make_iteration", "ppo_loss",
-           "process_scores", "rollout", "rollout_metrics", "score_rollout", "update"]
+           "RunningMoments", "Scored", "compute_advantages", "init_state", "loss_fn", "make_iteration", "ppo_loss",
+           "process_scores", "rollout", "rollout_metrics", "score", "score_rollout", "split", "train", "update"]

@@ -63,7 +63,7 @@ def score_rollout(
     """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
     logp, values (critic, or the actor's value head when shared — one pass), and the
     score: `reward`'s weighted total of `scores`, `{component: [N]}` for every component
-    (the JAX ones from `ppo.rollout`, the host ones scored on the text). All without
+    (the JAX ones from `ppo.score`, the host ones scored on the text). All without
     gradient."""
     tau = cfg.sampling.temperature
     actor_params = jax.lax.stop_gradient(state.actor.params)

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrlhf.algorithms import timing
 from jaxrlhf.monitor import HealthMonitor, NonFiniteError
 from jaxrlhf.parallel import distributed
 from jaxrlhf.rollout.buckets import CompileCounter
@@ -190,6 +191,10 @@ def run_phase(
     the checkpoints' `best` item so a resumed run keeps the same ones, and put back with
     `with_params(state, best)` before the final save. Its state is in every checkpoint's
     meta; the final metrics row adds `early_stop/best_step` and `early_stop/best_value`.
+
+    Every step's metrics get `time/step_s` and `time/compiles`; the phase ends with a log
+    line of where its time went (`TimeSplit`: the means of the steps' `time/*` metrics over
+    the steps that compiled nothing).
     """
     if early_stop is not None:
         if eval_fn is None or not phase.eval_every:
@@ -217,6 +222,7 @@ def run_phase(
             log.info("%s: eval/%s at the start: %.4g", phase.name, early_stop.metric, evaluation[early_stop.metric])
         last: dict = {}
         saved = start or None  # the phase's newest checkpoint
+        where_time_goes = TimeSplit()
         bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name,
                    disable=not (phase.progress and writer.enabled), dynamic_ncols=True, mininterval=1.0)
         with _SigtermFlag() as sigterm:
@@ -226,8 +232,9 @@ def run_phase(
                 with CompileCounter() as compiles:
                     state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
                     metrics = to_python(distributed.gather(metrics))
-                metrics["time/step_s"] = time.perf_counter() - t0
-                metrics["time/compiles"] = compiles.count  # XLA compilations of this step: 0 after the first
+                metrics[timing.STEP_S] = time.perf_counter() - t0
+                metrics[timing.COMPILES] = compiles.count  # XLA compilations of this step: 0 after the first
+                where_time_goes.add(metrics)
                 done = step + 1
                 if monitor is not None:
                     monitor.check(metrics, done)  # raises NonFiniteError before any save
@@ -281,4 +288,37 @@ def run_phase(
         if bar is not None:
             bar.close()
         ckpt.close()
+    if where_time_goes.steps:
+        log.info("%s: %s", phase.name, where_time_goes.describe())
     return state, last
+
+
+class TimeSplit:
+    """Sums of the steps' `time/*` metrics over the steps that compiled nothing (a first
+    step's compilation would swamp them), for the phase's closing log line."""
+
+    def __init__(self):
+        self.steps, self.sums, self.tokens = 0, {}, 0.0
+
+    def add(self, metrics: dict) -> None:
+        if metrics.get(timing.COMPILES):
+            return
+        self.steps += 1
+        for name in (timing.STEP_S, *timing.PARTS, timing.HOST_REWARD_S):
+            if name in metrics:
+                self.sums[name] = self.sums.get(name, 0.0) + metrics[name]
+        if timing.TOKENS_PER_S in metrics:
+            self.tokens += metrics[timing.TOKENS_PER_S] * metrics[timing.ROLLOUT_S]
+
+    def describe(self) -> str:
+        """E.g. `time per step 0.120 s (mean of 99 steps without compilation): rollout 0.050 s
+        (42%), scoring 0.020 s (17%), update 0.045 s (38%); 5,120 generated tokens/s`."""
+        mean = {k: v / self.steps for k, v in self.sums.items()}
+        step = mean[timing.STEP_S]
+        text = f"time per step {step:.3f} s (mean of {self.steps} steps without compilation)"
+        parts = [(k.split("/")[1][:-2], mean[k]) for k in (*timing.PARTS, timing.HOST_REWARD_S) if k in mean]
+        if parts:
+            text += ": " + ", ".join(f"{name} {s:.3f} s ({s / step:.0%})" for name, s in parts)
+        if timing.ROLLOUT_S in self.sums:
+            text += f"; {self.tokens / max(self.sums[timing.ROLLOUT_S], 1e-9):,.0f} generated tokens/s"
+        return text

@@ -8,7 +8,10 @@ Every phase runs on the run's `sharding.Placement` (the mesh of `config.mesh`, t
 `config.rules`): its train state is born in the rules' shardings (every role: policy,
 reference, critic, reward model), its step is jitted with explicit in/out shardings and a
 donated state, and each process reads only its own rows of every global batch. The
-GRPO/PPO steps include the sampler, compiled into the same sharded program.
+GRPO/PPO steps run as three timed sharded programs, rollout, scoring and update
+(`algorithms.timing`: `time/rollout_s`, `time/scoring_s`, `time/update_s`, tokens/s in the
+metrics), or with `train.time_split=False` and a pure-JAX reward as one; the other phases'
+one update reports `time/update_s`.
 
 Every phase takes `early_stop` (a `runs.stopping.EarlyStop`, from `config.train.stop_*`):
 stop on a held-out metric of its evaluation, and with `keep_best` end with the policy of
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft
+from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft, timing
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
@@ -78,10 +81,13 @@ def _stopping(early_stop: EarlyStop | None, role: str | None = None) -> dict:
     return dict(early_stop=early_stop, params_of=params_of, with_params=with_params)
 
 
-def _with_lr(step_fn, schedule):
+def _timed_update(step_fn, schedule):
+    """A one-update step (SFT, reward model, DPO) with its `time/update_s` (the step waited
+    for) and `lr` in the metrics."""
     def step(state, batch, rng):
-        state, metrics = step_fn(state, batch, rng)
-        return state, {**metrics, "lr": schedule(state.step - 1)}
+        t0 = time.perf_counter()
+        state, metrics = jax.block_until_ready(step_fn(state, batch, rng))
+        return state, {**metrics, "lr": schedule(state.step - 1), timing.UPDATE_S: time.perf_counter() - t0}
     return step
 
 
@@ -99,7 +105,7 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
                          state_sh, cfg.batch_size)
     state, last = run_phase(
         _phase("sft", cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
-        state=state, step_fn=_with_lr(step, schedule), batches=batches,
+        state=state, step_fn=_timed_update(step, schedule), batches=batches,
         rng=rng, writer=writer, eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop,
         **_stopping(early_stop))
     return state.params, last
@@ -137,9 +143,9 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
                eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """GRPO (or a variant) on the task's prompts and reward; returns `(params, last_metrics)`.
 
-    The policy and (β > 0) the reference share the model's shardings. A JAX reward gives
-    one sharded program (sampler, reward, update); a host reward (text, e.g. the JSONL
-    task's answer check) runs between a sharded rollout and a sharded update, each process
+    The policy and (β > 0) the reference share the model's shardings. The step is a
+    sharded rollout, scoring and update, timed (`_rl_step`); a host reward (text, e.g. the
+    JSONL task's answer check) runs between the rollout and the scoring, each process
     scoring the responses of its own prompts.
     """
     placement = placement or Placement.local()
@@ -156,58 +162,70 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     reward = rewards_lib.as_reward(task.reward)
-    if reward.is_jax:
-        # The task pads every prompt to one length already: no buckets.
-        iteration = grpo.make_iteration(model, tx, gcfg, reward, schedule=schedule, prompt_buckets=None)
-
-        def fused(state, batch, rng):
-            return iteration(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
-
-        step = _sharded_step(fused, placement, state_sh, pool)
-    else:
-        step = _host_reward_step(functools.partial(grpo.rollout, model=model, cfg=gcfg, reward=reward),
-                                 functools.partial(grpo.learn, model=model, tx=tx, cfg=gcfg, reward=reward,
-                                                   schedule=schedule),
-                                 reward, placement, state_sh, keys, pool, gcfg.group_size, gcfg.sampling.eos_id)
+    # The task pads every prompt to one length already: no buckets.
+    step = _rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
+                    keys, pool, gcfg.sampling)
     monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
-        _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy")),
+        _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy",
+                                          timing.TOKENS_PER_S)),
         workdir=workdir, state=state, step_fn=step, batches=batches,
         rng=rng, writer=writer, monitor=monitor, eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None,
         should_stop=should_stop, **_stopping(early_stop, "policy"))
     return state.policy.params, last
 
 
-def _host_reward_step(roll, learn, reward, placement: Placement, state_sh, keys, rows: int, group_size: int,
-                      eos_id: int | None):
-    """An RL step with a host reward on the mesh: a sharded rollout (with the reward's JAX
-    parts), the host reward on this process's responses, then a sharded update (state
-    donated). `roll(state, prompt_ids, prompt_mask, extras, rng) -> (out, scores)` and
-    `learn(state, out, scores, rng) -> (state, metrics)`: GRPO's or PPO's (`grpo.rollout`
-    / `grpo.learn`, `ppo.rollout` / `ppo.learn`)."""
-    learn = jax.jit(learn, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
+def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
+             rows: int, sampling):
+    """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
+
+    With `train.time_split` (or a host reward, which needs the responses on the host before
+    scoring) three timed programs, `timing.run_split`: a sharded rollout, the host reward
+    on this process's responses, sharded scoring, a sharded update (state donated); the
+    metrics then carry `timing.RL_STEP`. Otherwise, with a pure-JAX reward, one sharded
+    program (`parts.fused`), untimed."""
+    if reward.is_jax and not train.time_split:
+        def fused(state, batch, rng):
+            return parts.fused(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
+        return _sharded_step(fused, placement, state_sh, rows)
+    update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
     compiled = {}
 
-    def row_shardings(tree):
-        return jax.tree.map(lambda x: placement.rows(x.ndim, x.shape[0]) if x.ndim else placement.replicated, tree)
+    def out_sharding(x):
+        """Rows over the batch shards; replicated for a scalar, or for rows that do not split
+        over them (dynamic sampling's update batch of prompts_per_step × G rows)."""
+        if x.ndim and x.shape[0] % placement.batch_ways == 0:
+            return placement.rows(x.ndim, x.shape[0])
+        return placement.replicated
+
+    def rows_out(name, fn):
+        """`fn` jitted at its first call with its outputs' rows over the batch shards."""
+        def call(*args):
+            if name not in compiled:
+                sh = jax.tree.map(out_sharding, jax.eval_shape(fn, *args))
+                compiled[name] = jax.jit(fn, out_shardings=sh)
+            return compiled[name](*args)
+        return call
+
+    def host_scores(local):
+        """The host reward of this process's responses (as NumPy: the read waits for the
+        rollout), assembled into global `[N]` arrays."""
+        def score(out):
+            mine = jax.tree.map(placement.local_rows, out)
+            host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, sampling.num_samples,
+                                       eos_id=sampling.eos_id)
+            host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
+            return placement.global_batch(host, rows * sampling.num_samples)
+        return score
+
+    rollout, score = rows_out("rollout", parts.rollout), rows_out("score", parts.score)
 
     def step(state, local, rng):
         local = host_extras(local, tuple(local))  # object arrays (answer strings) become lists
-        arrays = {k: v for k, v in local.items() if hasattr(v, "shape")}
-        batch = placement.global_batch(arrays, rows)
-        args = (state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys if k in batch}, rng)
-        if "roll" not in compiled:
-            compiled["roll"] = jax.jit(roll, out_shardings=row_shardings(jax.eval_shape(roll, *args)))
-        out, scores = compiled["roll"](*args)
-        # The responses to this process's prompts, as NumPy: waits for the rollout, whose
-        # time is not the reward's.
-        mine = jax.tree.map(placement.local_rows, out)
-        t0 = time.perf_counter()
-        host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, group_size, eos_id=eos_id)
-        host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
-        dt = time.perf_counter() - t0
-        state, metrics = learn(state, out, {**scores, **placement.global_batch(host, rows * group_size)}, rng)
-        return state, {**metrics, "time/host_reward_s": dt}
+        batch = placement.global_batch({k: v for k, v in local.items() if hasattr(v, "shape")}, rows)
+        extras = {k: batch[k] for k in keys if k in batch}
+        return timing.run_split(rollout, score, update, state, batch["prompt_ids"], batch["prompt_mask"], extras, rng,
+                                host=None if reward.is_jax else host_scores(local))
 
     return step
 
@@ -314,7 +332,7 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
 
     state, _ = run_phase(
         _phase("reward_model", cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
-        workdir=workdir, state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
+        workdir=workdir, state=state, step_fn=_timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
         eval_fn=lambda s: evaluate(s.params), should_stop=should_stop, **_stopping(early_stop))
     return model, state.params, {**evaluate(state.params), **stats}
 
@@ -350,7 +368,7 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
 
     state, _ = run_phase(
         _phase("dpo", cfg, train, show=("loss", "reward_accuracy", "eval/accuracy")), workdir=workdir,
-        state=state, step_fn=_with_lr(step, schedule), batches=batches, rng=rng, writer=writer,
+        state=state, step_fn=_timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
         eval_fn=evaluate, should_stop=should_stop, **_stopping(early_stop))
     return state.params, pair_eval(state.params)
 
@@ -383,10 +401,11 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
               placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
     (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
-    (`ppo.reward="task"`), the task's own reward given the task's extras: one sharded
-    program when it is pure JAX; with host (text) components, e.g. the JSONL task's
-    answer check or Python rewards of the `reward` section, a sharded rollout, the host
-    reward on each process's responses, then a sharded update, as in GRPO. The held-out exact-match accuracy (the true reward, `eval/accuracy`)
+    (`ppo.reward="task"`), the task's own reward given the task's extras. The step is a
+    sharded rollout, scoring and update, timed (`_rl_step`); host (text) reward
+    components, e.g. the JSONL task's answer check or Python rewards of the `reward`
+    section, are scored on each process's responses in between, as in GRPO. The held-out
+    exact-match accuracy (the true reward, `eval/accuracy`)
     is logged beside the score the policy optimises (`score_mean`): with a learned reward
     model, the score going up is not the same as getting better.
 
@@ -428,26 +447,15 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
                               reward=reward if rm_model is None else (rm_model, reward_params))
 
     state, state_sh = placement.init_state(make, *args, roles=roles)
-    if rm_model is not None or reward.is_jax:
-        iteration = ppo.make_iteration(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg,
-                                       lr_schedule=schedule, donate=False)  # the sharded step donates the state
-
-        def fused(state, batch, rng):
-            return iteration(state, batch["prompt_ids"], batch["prompt_mask"], rng, {k: batch[k] for k in keys})
-
-        step = _sharded_step(fused, placement, state_sh, cfg.prompts_per_step)
-    else:  # host (text) components: rollout, the reward on the host, then the update
-        step = _host_reward_step(
-            functools.partial(ppo.rollout, actor_model=actor_model, cfg=pcfg, reward=reward),
-            functools.partial(ppo.learn, actor_model=actor_model, critic_model=critic_model, reward=reward,
-                              tx_actor=tx_actor, tx_critic=tx_critic, cfg=pcfg, lr_schedule=schedule),
-            reward, placement, state_sh, keys, cfg.prompts_per_step, pcfg.sampling.num_samples, pcfg.sampling.eos_id)
+    parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
+    step = _rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
+                    pcfg.sampling)
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
 
     state, last = run_phase(
-        _phase("ppo", cfg, train, show=("score_mean", "kl_k1", "eval/accuracy")), workdir=workdir, state=state,
+        _phase("ppo", cfg, train, show=("score_mean", "kl_k1", "eval/accuracy", timing.TOKENS_PER_S)), workdir=workdir, state=state,
         step_fn=step,
         batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),

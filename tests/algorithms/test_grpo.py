@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from jaxrlhf import ops, rewards
-from jaxrlhf.algorithms import grpo
+from jaxrlhf.algorithms import grpo, timing
 from jaxrlhf.algorithms.experience import SamplingConfig, score_responses
 from jaxrlhf.models import ModelConfig, Transformer, init_params
 
@@ -295,24 +295,31 @@ def test_non_finite_gradient_skips_the_step(mu2_runs):
 # --------------------------------------------------------------------------- iterations
 
 
+LEARNING_CFG = _cfg(sampling=SamplingConfig(max_new_tokens=8, num_samples=8), adv_eps=1e-4)
+LEARNING_PROMPTS = jnp.asarray(np.random.default_rng(0).integers(3, CFG.vocab_size, (4, 4)), jnp.int32)
+
+
 @pytest.fixture(scope="module")
 def learning_run():
-    """GRPO on the toy task: 4 prompts × G = 8, 8 new tokens, reward = share of TARGET tokens."""
-    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=8, num_samples=8), adv_eps=1e-4)
+    """GRPO on the toy task: 4 prompts × G = 8, 8 new tokens, reward = share of TARGET tokens;
+    the iteration timed (three programs, the default). Each metrics row gets the call's own
+    wall time under "wall_s"; `first_params` are the policy's after the first iteration."""
     tx = optax.adam(3e-3)
-    it = grpo.make_iteration(MODEL, tx, cfg, rewards.jax_reward(target_fraction, name="target"))
-    assert it.is_single_program
+    it = grpo.make_iteration(MODEL, tx, LEARNING_CFG, rewards.jax_reward(target_fraction, name="target"))
+    assert not it.is_single_program and len(it.compiled) == 3  # (rollout, score, train)
     state = grpo.init_state(PARAMS, tx)
-    prompts = jnp.asarray(np.random.default_rng(0).integers(3, CFG.vocab_size, (4, 4)), jnp.int32)
     history = []
     for _ in range(25):
-        state, metrics = it(state, prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(1))
-        history.append(jax.device_get(metrics))
-    return history
+        t0 = time.perf_counter()
+        state, metrics = it(state, LEARNING_PROMPTS, jnp.ones_like(LEARNING_PROMPTS, bool), {}, jax.random.key(1))
+        history.append(dict(jax.device_get(metrics), wall_s=time.perf_counter() - t0))
+        if len(history) == 1:
+            first_params = jax.device_get(state.policy.params)
+    return history, first_params
 
 
 def test_first_step_ratio_is_exactly_one(learning_run):
-    first = learning_run[0]
+    first = learning_run[0][0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0
     assert first["clipfrac"] == 0.0 and first["approx_kl"] == 0.0
     assert first["logp_mismatch"] < 1e-4  # the sampler's log-probs match the trainer's
@@ -320,9 +327,38 @@ def test_first_step_ratio_is_exactly_one(learning_run):
 
 
 def test_grpo_raises_the_mean_reward_of_a_toy_task(learning_run):
-    rewards_ = [float(m["reward/mean"]) for m in learning_run]
+    rewards_ = [float(m["reward/mean"]) for m in learning_run[0]]
     start, end = np.mean(rewards_[:3]), np.mean(rewards_[-3:])
     assert end > start + 0.25, rewards_  # from ~1/16 to most tokens on target within 25 steps
+
+
+def test_the_timed_iteration_reports_where_its_time_went(learning_run):
+    """Every name of the time split, finite and >= 0; the parts add up to no more than the
+    call's own wall time; tokens/s is the valid tokens sampled over the rollout's seconds."""
+    for m in learning_run[0]:
+        times = {k: m[k] for k in timing.RL_STEP}
+        assert all(np.isfinite(v) and v >= 0 for v in times.values()), times
+        assert sum(m[k] for k in timing.PARTS) <= m["wall_s"], (times, m["wall_s"])
+        np.testing.assert_allclose(m[timing.TOKENS_PER_S], m["response_tokens"] / m[timing.ROLLOUT_S], rtol=1e-6)
+        np.testing.assert_allclose(m[timing.STEP_TOKENS_PER_S],
+                                   m["response_tokens"] / sum(m[k] for k in timing.PARTS), rtol=1e-6)
+
+
+def test_the_fused_iteration_equals_the_timed_one(learning_run):
+    """`time_split=False`: one program, no times, the same new params and metrics."""
+    tx = optax.adam(3e-3)
+    it = grpo.make_iteration(MODEL, tx, LEARNING_CFG, rewards.jax_reward(target_fraction, name="target"),
+                             time_split=False)
+    assert it.is_single_program and len(it.compiled) == 1
+    state, m = it(grpo.init_state(PARAMS, tx), LEARNING_PROMPTS, jnp.ones_like(LEARNING_PROMPTS, bool), {},
+                  jax.random.key(1))
+    history, first_params = learning_run
+    assert not any(k in m for k in timing.RL_STEP)
+    assert set(history[0]) == set(m) | set(timing.RL_STEP) | {"wall_s"}
+    for k in set(m) - {timing.COMPILES}:
+        np.testing.assert_allclose(m[k], history[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(first_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 class _WordTokenizer:
@@ -375,7 +411,8 @@ def _slow_jax_part(response_ids, response_mask, extras):
 
 
 def test_host_reward_timer_measures_the_reward_alone():
-    """`time/host_reward_s` is the host reward's own time, not the rollout it waits for."""
+    """`time/host_reward_s` is the host reward's own time, part of `time/scoring_s` but not
+    the JAX reward's scoring program that follows it."""
     sleep = 0.05
 
     def sleepy(prompts, responses, extras):
@@ -385,23 +422,23 @@ def test_host_reward_timer_measures_the_reward_alone():
     reward = rewards.combine([(1.0, rewards.host_reward(sleepy, _WordTokenizer(), name="sleepy")),
                               (1.0, rewards.jax_reward(_slow_jax_part, name="slow"))])
     cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=2))
-    it = grpo.make_iteration(MODEL, optax.sgd(0.0), cfg, reward)
-    assert not it.is_single_program and len(it.compiled) == 2  # (rollout, learn)
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), cfg, reward, time_split=False)
+    assert not it.is_single_program and len(it.compiled) == 3  # a host reward splits the iteration all the same
     prompts = jnp.asarray(np.random.default_rng(2).integers(4, CFG.vocab_size, (2, P)), jnp.int32)
     state = grpo.init_state(PARAMS, optax.sgd(0.0))
     args = (prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(0))
     state, _ = it(state, *args)  # compiles
-    t0 = time.perf_counter()
-    jax.block_until_ready(it.compiled[0](state, *args[:2], {}, args[3]))
-    rollout_s = time.perf_counter() - t0
-    assert rollout_s > 4 * sleep, f"the rollout ({rollout_s:.2f} s) must dwarf the reward for this test to mean anything"
     _, m = it(state, *args)
-    assert sleep <= m["time/host_reward_s"] < sleep + rollout_s / 2, (m["time/host_reward_s"], rollout_s)
+    host, jax_part = m[timing.HOST_REWARD_S], m[timing.SCORING_S] - m[timing.HOST_REWARD_S]
+    assert jax_part > 4 * sleep, f"the JAX scoring ({jax_part:.2f} s) must dwarf the reward for this test to mean anything"
+    assert sleep <= host < sleep + jax_part / 2, (host, jax_part)
 
 
 def test_compiled_is_a_tuple_of_programs():
-    it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), rewards.jax_reward(target_fraction, name="target"))
-    assert it.is_single_program and isinstance(it.compiled, tuple) and len(it.compiled) == 1
+    reward = rewards.jax_reward(target_fraction, name="target")
+    for split, count in ((True, 3), (False, 1)):
+        it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, time_split=split)
+        assert it.is_single_program == (count == 1) and isinstance(it.compiled, tuple) and len(it.compiled) == count
 
 
 def test_without_a_sampler_eos_the_host_reward_sees_what_the_loss_trains_on():
@@ -420,9 +457,8 @@ def test_without_a_sampler_eos_the_host_reward_sees_what_the_loss_trains_on():
     it = grpo.make_iteration(MODEL, optax.sgd(0.0), cfg, rewards.host_reward(record, EosTokenizer(), name="rec"))
     prompts = jnp.asarray(np.random.default_rng(3).integers(4, CFG.vocab_size, (4, P)), jnp.int32)
     state = grpo.init_state(PARAMS, optax.sgd(0.0))
-    args = (state, prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(4))
-    it(*args)
-    out, _ = it.compiled[0](*args)
+    it(state, prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(4))
+    out, _ = it.compiled[0](state, prompts, jnp.ones_like(prompts, bool), jax.random.key(4))  # the rollout
     ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
     assert mask.all()  # nothing ended a response: the loss trains on all 8 tokens
     assert (ids[:, :-1] == TARGET).any(), "no EOS mid-response: the test means nothing"
@@ -442,11 +478,12 @@ def test_prompts_of_five_lengths_compile_once_per_bucket_and_padding_changes_not
     masks = [mask0] + [jnp.ones_like(ids, bool) for ids in batches[1:]]
     state = grpo.init_state(PARAMS, optax.sgd(0.0))  # lr 0: every call sees the same policy
 
-    it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=(8, 16))
+    # One program per bucket (time_split=False): the buckets are the point here, not the split.
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=(8, 16), time_split=False)
     metrics = [it(state, ids, mask, {}, jax.random.key(0))[1] for ids, mask in zip(batches, masks)]
     assert [m["time/compiles"] > 0 for m in metrics] == [True, False, False, True, False], metrics
 
-    plain = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=None)
+    plain = grpo.make_iteration(MODEL, optax.sgd(0.0), _cfg(), reward, prompt_buckets=None, time_split=False)
     _, m = plain(state, batches[0], mask0, {}, jax.random.key(0))
     for k in ("reward/mean", "loss", "grad_norm", "entropy"):
         np.testing.assert_allclose(metrics[0][k], m[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -6,6 +6,7 @@ Compiled functions are built once per module (2 shared CPU cores): tiny shapes t
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf import ops, rewards
-from jaxrlhf.algorithms import common, kl_controller, ppo, reward_model, scoring
+from jaxrlhf.algorithms import common, kl_controller, ppo, reward_model, scoring, timing
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, init_params
 from jaxrlhf.rollout.sampler import SampleOutput
@@ -242,7 +243,7 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
                         kl_coef=0.3, missing_eos_penalty=0.5, reward_whitening="batch", reward_clip=1.5,
                         gamma=0.9, lam=0.8)
     rm_reward = reward_model.as_reward(RM)
-    score = functools.partial(ppo._score, actor_model=SHARED, critic_model=None, reward=rm_reward, cfg=cfg)
+    score = functools.partial(ppo.score, actor_model=SHARED, critic_model=None, reward=rm_reward, cfg=cfg)
     seq, attn, mask = _rollout_batch(3)
     out = SampleOutput(seq[:, :P], attn[:, :P], seq[:, P:], mask, jnp.zeros(mask.shape), seq, attn, mask.sum(1))
     # The actor has moved away from the reference: KL is not zero.
@@ -253,11 +254,10 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
                          kl_ctl=kl_controller.init(cfg.kl_config), reward_stats=ppo.RunningMoments.create(),
                          step=jnp.int32(0))
 
-    scores = rm_reward.device_scores(rewards.RewardInput.from_sample(out), {}, params["rm"])
-
     @jax.jit
     def both(state, ref):
-        _, batch, metrics = score(state, out, scores)
+        scored, metrics = score(state, out, {}, {}, None)  # the reward model's score on state.reward_params
+        batch = scored.batch
         logp, _, values = _full_forward_logp(SHARED, params["shared"], seq, attn)
         ref_logp, _, _ = _full_forward_logp(SHARED, ref, seq, attn)
         rm_values = RM.apply({"params": params["rm"]}, seq, attn).values
@@ -325,26 +325,39 @@ def test_non_finite_gradients_skip_the_update(params):
 # Whole iterations: separate critic (learning run) and shared trunk in bf16
 
 
-@pytest.fixture(scope="module")
-def separate_run(params):
-    """Separate (smaller) critic, synthetic JAX reward; ITERATIONS runs of one compiled program."""
-    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", kl_coef=0.05,
-                        num_ppo_epochs=2, num_minibatches=2, vf_coef=0.5)
+SEPARATE_CFG = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", kl_coef=0.05,
+                             num_ppo_epochs=2, num_minibatches=2, vf_coef=0.5)
+
+
+def _separate_iteration(params, **kw):
+    """`(state, iteration)` of the separate-critic run: smaller critic, synthetic JAX reward."""
     tx_a, sched = common.make_optimizer(common.OptimConfig(lr=3e-3))
     tx_c, _ = common.make_optimizer(common.OptimConfig(lr=1e-2))
-    state = ppo.init_state(cfg, ACTOR, params["actor"], tx_a, critic_model=CRITIC, critic_params=params["critic"],
-                           tx_critic=tx_c, reward=target_fraction)
-    it = ppo.make_iteration(ACTOR, CRITIC, target_fraction, tx_a, tx_c, cfg, lr_schedule=sched, donate=False)
+    state = ppo.init_state(SEPARATE_CFG, ACTOR, params["actor"], tx_a, critic_model=CRITIC,
+                           critic_params=params["critic"], tx_critic=tx_c, reward=target_fraction)
+    return state, ppo.make_iteration(ACTOR, CRITIC, target_fraction, tx_a, tx_c, SEPARATE_CFG, lr_schedule=sched,
+                                     donate=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def separate_run(params):
+    """ITERATIONS timed iterations (three programs, the default) of the separate-critic run.
+    Each metrics row gets the call's own wall time under "wall_s"; `first_actor` is the
+    actor's params after the first iteration."""
+    state, it = _separate_iteration(params)
     prompts, pmask = _prompts(16)
     history = []
     for _ in range(ITERATIONS):
+        t0 = time.perf_counter()
         state, m = it(state, prompts, pmask, jax.random.key(1))
-        history.append(jax.device_get(m))
-    return state, history
+        history.append(dict(jax.device_get(m), wall_s=time.perf_counter() - t0))
+        if len(history) == 1:
+            first_actor = jax.device_get(state.actor.params)
+    return state, history, first_actor
 
 
 def test_first_minibatch_ratio_is_exactly_one(separate_run):
-    _, history = separate_run
+    _, history, _ = separate_run
     for m in history[:3]:
         assert abs(float(m["first_ratio_max"]) - 1.0) <= 1e-6 and abs(float(m["first_ratio_min"]) - 1.0) <= 1e-6
         assert float(m["first_clipfrac"]) == 0.0 and float(m["first_approx_kl"]) <= 1e-7
@@ -376,11 +389,33 @@ def test_a_host_reward_iteration_equals_the_jax_reward_one(params, separate_run)
     first = separate_run[1][0]
     for key in ("reward/target_fraction", "score_mean", "loss", "value_loss", "grad_norm", "kl_k1"):
         np.testing.assert_allclose(m[key], first[key], rtol=1e-5, atol=1e-7, err_msg=key)
-    assert m["time/host_reward_s"] > 0
+    assert m[timing.SCORING_S] >= m[timing.HOST_REWARD_S] > 0  # the host reward is part of the scoring
+
+
+def test_the_timed_iteration_reports_where_its_time_went(separate_run):
+    """Every name of the time split, finite and >= 0; the parts add up to no more than the
+    call's own wall time; tokens/s is the valid tokens sampled over the rollout's seconds."""
+    for m in separate_run[1]:
+        times = {k: m[k] for k in timing.RL_STEP}
+        assert all(np.isfinite(v) and v >= 0 for v in times.values()), times
+        assert sum(m[k] for k in timing.PARTS) <= m["wall_s"], (times, m["wall_s"])
+        np.testing.assert_allclose(m[timing.TOKENS_PER_S], m["num_tokens"] / m[timing.ROLLOUT_S], rtol=1e-6)
+
+
+def test_the_fused_iteration_equals_the_timed_one(params, separate_run):
+    """`time_split=False`: one program, no times, the same new params and metrics."""
+    state, it = _separate_iteration(params, time_split=False)
+    state, m = it(state, *_prompts(16), jax.random.key(1))
+    _, history, first_actor = separate_run
+    assert set(history[0]) == set(m) | set(timing.RL_STEP) | {"wall_s"}
+    for k in m:
+        np.testing.assert_allclose(m[k], history[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(state.actor.params), jax.tree.leaves(first_actor)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_separate_critic_metrics(separate_run):
-    state, history = separate_run
+    state, history, _ = separate_run
     m = history[0]
     for key in ("score_mean", "score_std", "shaped_reward_mean", "kl_k1", "kl_k3", "kl_seq", "beta", "entropy",
                 "response_length_mean", "response_length_max", "clipfrac", "approx_kl", "ratio_mean", "ratio_max",
@@ -394,7 +429,7 @@ def test_separate_critic_metrics(separate_run):
 
 
 def test_learning_raises_score_with_bounded_kl(separate_run):
-    _, history = separate_run
+    _, history, _ = separate_run
     score = np.array([float(m["score_mean"]) for m in history])
     kl = np.array([float(m["kl_k3"]) for m in history])
     start, end = score[:3].mean(), score[-3:].mean()
@@ -418,12 +453,11 @@ def test_shared_trunk_bf16_with_reward_model_and_adaptive_kl(params):
     tx = common.make_optimizer(common.OptimConfig(lr=1e-2))[0]
     own = jax.tree.map(jnp.copy, params["shared"])  # may be donated with the state below
     state = ppo.init_state(cfg, model, own, tx, reward=(rm, params["rm"]))
-    # Three jitted phases with host timings (the fused program is covered by `separate_run`).
-    it = ppo.make_iteration(model, None, rm, tx, None, cfg, fused=False, donate=True)
+    it = ppo.make_iteration(model, None, rm, tx, None, cfg, donate=True)  # three timed programs
     prompts, pmask = _prompts(8, seed=4)
     state, m1 = it(state, prompts, pmask, jax.random.key(2))
     state, m2 = it(state, prompts, pmask, jax.random.key(2))
-    assert all(float(m1[k]) > 0 for k in ("time_rollout_s", "time_scoring_s", "time_update_s", "tokens_per_s"))
+    assert all(float(m1[k]) > 0 for k in timing.RL_STEP)
     # the trained part of the state is donated; the frozen reward params are not
     assert not any(x.is_deleted() for x in jax.tree.leaves(params["rm"]))
     for m in (m1, m2):

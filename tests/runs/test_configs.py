@@ -3,6 +3,7 @@
 import importlib.util
 import itertools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compile_cache import persistent_compile_cache, session_folder  # noqa: E402
 
+from jaxrlhf.algorithms import timing  # noqa: E402
 from jaxrlhf.runs import train_and_evaluate  # noqa: E402
 from jaxrlhf.runs.loop import Preempted  # noqa: E402
 
@@ -63,6 +65,7 @@ def test_tiny_variant_runs_end_to_end(path, tmp_path, compile_cache_dir):
         assert (full / "export" / "config.json").exists()
         if config.algorithm != "reward_model":
             assert {"accuracy", "reward"} <= set(summary["stages"][f"after {config.algorithm.upper()}"])
+        _assert_time_split(full)
 
         if path.stem == "addition_ppo_rule":
             return  # PPO's resume is checked on addition_ppo, which has one more phase
@@ -80,6 +83,23 @@ def test_tiny_variant_runs_end_to_end(path, tmp_path, compile_cache_dir):
         again = train_and_evaluate(config, resumed)
     assert _rows(resumed) == _rows(full)
     assert again["stages"] == summary["stages"]
+
+
+def _assert_time_split(workdir):
+    """Every phase's rows carry `time/update_s`, the RL phases' the whole time split
+    (finite, >= 0, the parts within the loop's `time/step_s`), tokens/s = the valid
+    response tokens over the rollout's seconds."""
+    tokens = {"grpo": "response_tokens", "ppo": "num_tokens"}
+    for row in map(json.loads, (Path(workdir) / "metrics.jsonl").read_text().splitlines()):
+        phase = next(k for k in row if k != "step").split("/")[0]
+        names = timing.RL_STEP if phase in tokens else (timing.UPDATE_S,)
+        times = {k: row[f"{phase}/{k}"] for k in names}
+        assert all(math.isfinite(v) and v >= 0 for v in times.values()), (phase, row["step"], times)
+        parts = sum(v for k, v in times.items() if k in timing.PARTS)
+        assert parts <= row[f"{phase}/{timing.STEP_S}"], (phase, row["step"], times)
+        if phase in tokens:
+            assert math.isclose(row[f"{phase}/{timing.TOKENS_PER_S}"],
+                                row[f"{phase}/{tokens[phase]}"] / row[f"{phase}/{timing.ROLLOUT_S}"], rel_tol=1e-6)
 
 
 def _tiny_checkpoint(path, chat_template=None):

@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _toy_phase import ARRAYS, TX, toy_step  # noqa: E402
 
 from jaxrlhf import data  # noqa: E402
-from jaxrlhf.algorithms import common  # noqa: E402
+from jaxrlhf.algorithms import common, timing  # noqa: E402
 from jaxrlhf.monitor import NonFiniteError  # noqa: E402
 from jaxrlhf.runs.checkpointing import CheckpointError, Checkpointer  # noqa: E402
-from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, run_phase  # noqa: E402
+from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, Preempted, TimeSplit, run_phase  # noqa: E402
 from jaxrlhf.runs.metrics import MetricsWriter  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,3 +105,18 @@ def test_sigterm_saves_a_restorable_checkpoint_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     step = Checkpointer(workdir / "sft").latest_step()
     assert step is not None and step >= 3
+
+
+def test_the_closing_time_line_averages_the_steps_that_compiled_nothing():
+    """The means of the parts over the steps without compilation, each part's share of the
+    step, and tokens/s as all tokens over all rollout seconds (not a mean of ratios)."""
+    split = TimeSplit()
+    rows = [(1.0, 0.5, 0.2, 0.2, 100.0, 3), (0.4, 0.1, 0.1, 0.1, 100.0, 0), (0.6, 0.3, 0.1, 0.1, 200.0, 0)]
+    for step, rollout, scoring, update, tokens, compiles in rows:
+        split.add({timing.STEP_S: step, timing.ROLLOUT_S: rollout, timing.SCORING_S: scoring,
+                   timing.UPDATE_S: update, timing.TOKENS_PER_S: tokens / rollout, timing.COMPILES: compiles})
+    assert split.describe() == ("time per step 0.500 s (mean of 2 steps without compilation): rollout 0.200 s (40%), "
+                                "scoring 0.100 s (20%), update 0.100 s (20%); 750 generated tokens/s")
+    update_only = TimeSplit()
+    update_only.add({timing.STEP_S: 0.2, timing.UPDATE_S: 0.1, timing.COMPILES: 0})
+    assert update_only.describe() == "time per step 0.200 s (mean of 1 steps without compilation): update 0.100 s (50%)"
