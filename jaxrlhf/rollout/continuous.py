@@ -34,8 +34,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.transformer import KVCache, Transformer, init_cache, project_logits
-from jaxrlhf.rollout.sampler import SampleOutput, _check, _pick, _row_keys, _step_noise
+from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
+from jaxrlhf.rollout.sampler import SampleOutput, _check, _pick, _row_keys, _step_noise, prefill
 
 
 def check_slots(slots) -> int:
@@ -110,12 +110,8 @@ def sample_continuous(
     apply = functools.partial(model.apply, {"params": params})
     v = model.config.vocab_size
 
-    # The prefill, exactly as `sample` runs it.
-    slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, t_max), bool)], axis=1)
-    prefill = apply(prompt_ids, slot_mask, cache=init_cache(model.config, b, s_len), cache_index=0,
-                    compute_logits=False, last_position_only=True)
-    prompt_cache = _per_layer(lambda kv: _prompt_part(kv, p), prefill.cache)
-    last_logits = project_logits(model.config, params, prefill.hidden[:, -1])
+    prefill_cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, t_max)  # as `sample` runs it
+    prompt_cache = _per_layer(lambda kv: _prompt_part(kv, p), prefill_cache)
     prompt_len_B = prompt_mask.sum(axis=1).astype(jnp.int32)
 
     keys_N = _row_keys(rng, n, first_row) if temperature > 0 else None

@@ -164,6 +164,18 @@ def _gumbel_steps(keys_N, first_step, steps: int, v: int) -> jax.Array:
     return jax.vmap(per_step)(first_step + jnp.arange(steps))
 
 
+def prefill(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, max_new_tokens: int):
+    """The prompts `[B, P]` (left-padded, mask bool) in one forward pass: `(cache, logits)`,
+    a cache of `P + max_new_tokens` slots with the prompts' keys and values in the first P,
+    and the next token's logits `[B, V]`. Left padding puts every prompt's last token in
+    slot P-1: only it needs logits, and only it needs the last layer's attention and MLP."""
+    b, p = prompt_ids.shape
+    slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, int(max_new_tokens)), bool)], axis=1)
+    out = model.apply({"params": params}, prompt_ids, slot_mask, cache=init_cache(model.config, b, slot_mask.shape[1]),
+                      cache_index=0, compute_logits=False, last_position_only=True)
+    return out.cache, project_logits(model.config, params, out.hidden[:, -1])
+
+
 def sample(
     model: Transformer,
     params,
@@ -197,15 +209,9 @@ def sample(
     prompt_mask = prompt_mask.astype(bool)
     apply = functools.partial(model.apply, {"params": params})
 
-    cache = init_cache(model.config, b, s)
-    slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, t_max), bool)], axis=1)
-    # Left padding puts every prompt's last token in slot P-1: only it needs logits, and only
-    # it needs the last layer's attention and MLP.
-    prefill = apply(prompt_ids, slot_mask, cache=cache, cache_index=0, compute_logits=False,
-                    last_position_only=True)
-    last_logits = project_logits(model.config, params, prefill.hidden[:, -1])
+    cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, t_max)
     repeat = lambda x: jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
-    cache = jax.tree.map(repeat, prefill.cache)
+    cache = jax.tree.map(repeat, cache)
     last_logits, prompt_ids, prompt_mask = repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask)
     prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)
 
