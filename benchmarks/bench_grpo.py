@@ -20,6 +20,13 @@ the same weights (the torch init, `torch.manual_seed(0)`, read into JAX with
     python benchmarks/bench_grpo.py --out /tmp/bench_grpo.json
     python benchmarks/bench_grpo.py --quick            # 1 warm-up + 2 timed steps, a smoke run
     python benchmarks/bench_grpo.py --tunix-python /tmp/venv_tunix/bin/python   # + Tunix
+    python benchmarks/bench_grpo.py --lora 16          # + LoRA rows: jaxrlhf and TRL + PEFT
+
+With `--lora R`, both frameworks also run the same workload training rank-R adapters on
+every projection (q/k/v/o, gate/up/down; alpha 2R, no dropout) instead of all weights:
+jaxrlhf with `--config.model.lora`'s adapters (`models.lora`, B = 0 at step 0), TRL with
+`peft.LoraConfig` passed as `GRPOTrainer(peft_config=...)`. Rows "jaxrlhf lora R" and "trl
+lora R (grad ckpt on/off)"; the LoRA rows' ratios are against "jaxrlhf lora R".
 
 With `--tunix-python PY`, Google's Tunix runs too, last, in that interpreter's environment
 (`tunix_grpo_worker.py`: `GRPOLearner` on an `RLCluster`, Tunix's own Llama3 at the
@@ -59,15 +66,19 @@ G, T_NEW, TARGET, PROMPTS_PER_STEP = 8, 64, 7, 2
 # --------------------------------------------------------------------------- jaxrlhf
 
 
-def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
+def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0):
     import jax
     import jax.numpy as jnp
 
     from jaxrlhf.algorithms import common, grpo
     from jaxrlhf.algorithms.experience import SamplingConfig
-    from jaxrlhf.models import load_pretrained
+    from jaxrlhf.models import Transformer, load_pretrained, lora
 
     model, params = load_pretrained(ckpt_dir)
+    if lora_rank:
+        model = Transformer(model.config.replace(lora=lora.LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank)),
+                            head=model.head)
+        params = lora.add_adapters(model, params, jax.random.key(1))
     total = warmup + steps
     tx, schedule = common.make_optimizer(common.OptimConfig(
         lr=1e-6, schedule="linear", total_steps=total, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
@@ -132,7 +143,7 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps):
 # --------------------------------------------------------------------------- TRL
 
 
-def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing):
+def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing, lora_rank=0):
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -177,8 +188,15 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing)
             bf16=False, gradient_checkpointing=gradient_checkpointing, use_cpu=True, max_steps=total,
             logging_steps=1, save_strategy="no", report_to="none", seed=0, log_completions=False,
             disable_tqdm=True)
+        peft_config = None
+        if lora_rank:
+            import peft
+
+            peft_config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, bias="none",
+                                          task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                                 "gate_proj", "up_proj", "down_proj"])
         trainer = Timed(model=model, reward_funcs=frac7, args=args, train_dataset=dataset,
-                        processing_class=tokenizer, callbacks=[StepTimer()])
+                        processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config)
         trainer.remove_callback(transformers.PrinterCallback)  # keep stdout for the table
         with _common.CpuWatch() as watch:
             trainer.train()
@@ -192,7 +210,8 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing)
         first_step=dict(reward_mean=logs[0].get("reward") if logs else None,
                         completion_length=logs[0].get("completions/mean_length") if logs else None),
         last_reward_mean=logs[-1].get("reward") if logs else None, cpu_watch=watch.result(detail=True),
-        note=f"GRPOTrainer, gradient_checkpointing={gradient_checkpointing}; cpu_watch covers all "
+        note=f"GRPOTrainer, gradient_checkpointing={gradient_checkpointing}"
+             + (f", PEFT LoRA rank {lora_rank}" if lora_rank else "") + "; cpu_watch covers all "
              f"{total} steps including warm-up")
 
 
@@ -207,6 +226,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps (a smoke run, not a result)")
     ap.add_argument("--framework", choices=("both", "jax", "trl"), default="both")
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="also run both frameworks training rank-R LoRA adapters (TRL through peft)")
     ap.add_argument("--tunix-python", default=None,
                     help="a python with google-tunix installed: also run Tunix's GRPOLearner (tunix_grpo_worker.py)")
     args = ap.parse_args(argv)
@@ -241,15 +262,17 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as ckpt:
             tm.save_pretrained(ckpt, safe_serialization=True)
             results["jaxrlhf"] = run_jax(ckpt, prompts, order, args.warmup, args.steps)
+            if args.lora:
+                results[f"jaxrlhf lora {args.lora}"] = run_jax(ckpt, prompts, order, args.warmup, args.steps,
+                                                               lora_rank=args.lora)
     del tm
     if args.framework in ("both", "trl"):
-        for gc in (True, False):
-            name = f"trl (grad ckpt {'on' if gc else 'off'})"
+        for rank, gc in [(0, True), (0, False)] + ([(args.lora, True), (args.lora, False)] if args.lora else []):
+            name = f"trl{f' lora {rank}' if rank else ''} (grad ckpt {'on' if gc else 'off'})"
             try:
-                results[name] = run_trl(state_dict, prompts, args.warmup, args.steps, gc)
-            except ImportError as e:  # TRL not installed: report the JAX side alone
+                results[name] = run_trl(state_dict, prompts, args.warmup, args.steps, gc, lora_rank=rank)
+            except ImportError as e:  # TRL (or peft) not installed: report the rest
                 errors[name] = f"{type(e).__name__}: {e}"
-                break
     if args.tunix_python:
         try:
             results["tunix"] = _run_tunix(args.tunix_python, tunix_ckpt.name, tunix_probe, args.warmup, args.steps,
@@ -322,8 +345,15 @@ def _markdown(r) -> str:
         extra.append(f"jaxrlhf first call (compile + step) {jx['first_call_s']:.1f} s; first step ratio_max "
                      f"{jx['first_step']['ratio_max']}, clipfrac {jx['first_step']['clipfrac']}")
         for name, res in r["results"].items():
-            if name != "jaxrlhf":
-                extra.append(f"{name} / jaxrlhf median step time: "
+            if name.startswith("jaxrlhf"):
+                continue
+            ours = next((k for k in r["results"] if k.startswith("jaxrlhf lora")), "jaxrlhf") if " lora " in name \
+                else "jaxrlhf"
+            extra.append(f"{name} / {ours} median step time: "
+                         f"{res['stats']['median_s'] / r['results'][ours]['stats']['median_s']:.2f}x")
+        for name, res in r["results"].items():
+            if name.startswith("jaxrlhf lora"):
+                extra.append(f"{name} / jaxrlhf (all weights) median step time: "
                              f"{res['stats']['median_s'] / jx['stats']['median_s']:.2f}x")
     tx = r["results"].get("tunix")
     if tx:

@@ -18,6 +18,14 @@ Parts:
          fsdp mesh of XLA:CPU devices: the per-device plan for 8 accelerators, with the
          scanned, rematerialised stack (the setting for that size).
 
+  lora   full fine-tuning against LoRA rank 16 (`models.lora`) for the GRPO step of a
+         Qwen2.5-0.5B shape (one device, B = 8, P = 256) and of a Llama-3-8B shape
+         (`fsdp=8`, B = 8, P = 512), bf16 compute, scanned and rematerialised stacks.
+         Full: float32 master weights + AdamW, the reference a separate bf16 copy. LoRA:
+         the base frozen in bf16, adapters and their AdamW moments float32, the reference
+         the same base arrays without the adapters. Per device: args (params, optimizer
+         state, frozen models, batch) + temp, and the base's bf16 weights for scale.
+
 Variants: "dense" (before), "default" (`auto` everywhere) and "scan+remat" (the default
 plus `scan_layers=True, remat="full"`).
 
@@ -27,6 +35,7 @@ bounds on an accelerator's.
     python benchmarks/bench_memory.py --part table
     python benchmarks/bench_memory.py --part grpo --lengths 1024,2048,4096,8192,16384
     python benchmarks/bench_memory.py --part 8b     # sets 8 host devices itself
+    python benchmarks/bench_memory.py --part lora   # sets 8 host devices itself
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-if "--part" in sys.argv and sys.argv[sys.argv.index("--part") + 1] == "8b":
+if "--part" in sys.argv and sys.argv[sys.argv.index("--part") + 1] in ("8b", "lora"):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
@@ -48,7 +57,7 @@ import optax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxrlhf.algorithms import common, grpo, ppo  # noqa: E402
 from jaxrlhf.algorithms.experience import SamplingConfig  # noqa: E402
-from jaxrlhf.models import ModelConfig, Transformer  # noqa: E402
+from jaxrlhf.models import ModelConfig, Transformer, lora  # noqa: E402
 from jaxrlhf.models.config import RUNTIME_FIELDS  # noqa: E402
 
 MiB = 2**20
@@ -189,8 +198,70 @@ def part_8b(lengths, b=8, p=512):
     return rows
 
 
+LORA_RANK = 16
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _lora_grpo_inputs(shape, mode, b, p, t):
+    """The GRPO step's abstract inputs, full fine-tuning or LoRA (see the module docstring):
+    (step, (state, batch, rng), model, base bf16 params)."""
+    config = ModelConfig(**shape, dtype="bfloat16", scan_layers=True, remat="full")
+    if mode == "lora":
+        config = config.replace(lora=lora.LoraConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK))
+    model = Transformer(config)
+    params = abstract_params(model)
+    bf16 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), tree)
+    base = bf16(lora.without_adapters(params))
+    tx = optax.adamw(1e-6)
+    cfg = grpo.GRPOConfig(sampling=SamplingConfig(max_new_tokens=t, num_samples=b), beta=0.04)
+    if mode == "lora":  # base frozen in bf16, adapters float32; the reference is the base
+        frozen_bf16 = lambda path, x: x if path[-1].key in lora.ADAPTER_KEYS else jax.ShapeDtypeStruct(x.shape,
+                                                                                                        jnp.bfloat16)
+        state = jax.eval_shape(lambda w: grpo.init_state(w, tx), jax.tree_util.tree_map_with_path(frozen_bf16, params))
+    else:  # float32 master weights, the reference a separate bf16 copy
+        state = jax.eval_shape(lambda w, r: grpo.init_state(w, tx, ref_params=r), params, base)
+    f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
+    batch = grpo.Batch(seq(b, p + t), seq(b, p + t, jnp.bool_), seq(b, t, jnp.bool_), f32(), None, f32(), None)
+    step = lambda state, batch, rng: grpo.update(state, batch, rng, model=model, tx=tx, cfg=cfg)
+    return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0))), model, base
+
+
+def part_lora(lengths, rows_per_device=8):
+    """Full fine-tuning vs LoRA: per-device args + temp of the GRPO step (module docstring)."""
+    from jaxrlhf import parallel
+
+    rows = []
+    for name, shape, p, devices in [("qwen2.5-0.5b", QWEN_05B, 256, 1), ("llama-3-8b", LLAMA_8B, 512, 8)]:
+        mesh = parallel.make_mesh("fsdp=8") if devices == 8 else None
+        for t in lengths:
+            for mode in ("full", "lora"):
+                step, (state, batch, rng), model, base = _lora_grpo_inputs(shape, mode, rows_per_device, p, t)
+                t0 = time.perf_counter()
+                if mesh is None:
+                    compiled = jax.jit(step).lower(state, batch, rng).compile()
+                else:
+                    sh = parallel.param_shardings(model, mesh)
+                    st_sh = parallel.state_shardings(state, roles={"policy": sh, "ref_params": sh})
+                    compiled = parallel.jit_step(step, mesh=mesh, state_shardings=st_sh).lower(
+                        state, batch, rng).compile()
+                m = compiled.memory_analysis()
+                trained = lora.trainable(state.policy.params)
+                rows.append(dict(part="lora", model=name, algorithm="grpo", T=t, variant=mode, devices=devices,
+                                 args_mib=round(m.argument_size_in_bytes / MiB, 1),
+                                 temp_mib=round(m.temp_size_in_bytes / MiB, 1),
+                                 base_bf16_mib=round(_nbytes(base) / devices / MiB, 1),
+                                 trained_params=sum(x.size for x in jax.tree.leaves(trained)),
+                                 compile_s=round(time.perf_counter() - t0, 1)))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 PARTS = {"table": (part_table, "256,512,1024,2048,4096"), "grpo": (part_grpo, "1024,2048,4096,8192,16384"),
-         "ppo": (part_ppo, "1024,2048,4096,8192,16384"), "8b": (part_8b, "2048,4096,8192")}
+         "ppo": (part_ppo, "1024,2048,4096,8192,16384"), "8b": (part_8b, "2048,4096,8192"),
+         "lora": (part_lora, "1024")}
 
 
 def main():
@@ -205,6 +276,18 @@ def main():
         VARIANTS[:] = [(n, o) for n, o in VARIANTS if n in keep]
     fn, default = PARTS[args.part]
     rows = fn([int(x) for x in (args.lengths or default).split(",")])
+    if args.part == "lora":
+        print("\n| model | algorithm | T | variant | trained params | args MiB | temp MiB | args + temp | "
+              "(args + temp) / (base bf16 + temp) |")
+        print("|---|---|---|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            total = r["args_mib"] + r["temp_mib"]
+            print(f"| {r['model']} | {r['algorithm']} | {r['T']} | {r['variant']} | {r['trained_params']:,} | "
+                  f"{r['args_mib']:,.0f} | {r['temp_mib']:,.0f} | {total:,.0f} | "
+                  f"{total / (r['base_bf16_mib'] + r['temp_mib']):.2f} |")
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return
     names = [n for n, _ in VARIANTS if any(r["variant"] == n for r in rows)]
     print("\n| T | " + " | ".join(f"{n} temp MiB" for n in names) + " | dense / default | default / previous T |")
     print("|---|" + "---|" * (len(names) + 2))
