@@ -147,6 +147,9 @@ def train(**kw) -> mlc.ConfigDict:
     also samples n responses per prompt at `eval_temperature` and reports `mean@n` and, for
     each k of `eval_k` ("1,4,8": each k in [1, n]), `pass@k` and `maj@k` (`runs.evaluation`).
     `eval_batch_size` counts sequences: a sampled batch holds eval_batch_size // n prompts.
+    `eval_slots` = S > 0 decodes each evaluation batch (greedy and sampled) by continuous
+    batching over S slots (`rollout.continuous`: the same tokens, faster where response
+    lengths spread; 0 = one static batch).
 
     Stopping on a held-out metric (`runs.stopping`; needs `eval_every` > 0):
     stop_metric: an evaluation metric to watch, without the `eval/` prefix (e.g. "accuracy",
@@ -178,6 +181,7 @@ def train(**kw) -> mlc.ConfigDict:
     return mlc.ConfigDict(dict(dict(
         log_every=10, eval_every=0, checkpoint_every=100, keep_checkpoints=2, progress=True, tensorboard=True,
         show_samples=5, export=True, eval_batch_size=512, eval_samples=0, eval_k="1,4,8", eval_temperature=1.0,
+        eval_slots=0,
         stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
         max_param_norm_change=1.0, time_split=True, monitor=monitor(**mon)), **kw))
 

@@ -148,7 +148,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters
     adapted = validation.lora_phases(config)
     accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement,
-                                sampled=sampled, seed=config.seed)
+                                sampled=sampled, seed=config.seed, slots=config.train.eval_slots)
     rng = jax.random.key(config.seed)
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     rows, extras = [], {}

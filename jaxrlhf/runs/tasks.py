@@ -13,6 +13,7 @@ section adds Python rewards by import path to any task's own (`with_python_rewar
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from jaxrlhf import data, rewards
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.runs.evaluation import SampledEval, sampled_metrics
+from jaxrlhf.rollout.continuous import sample_continuous
 from jaxrlhf.rollout.sampler import sample
 
 
@@ -292,8 +294,14 @@ def _make_scorer(task: Task, placement):
     return score
 
 
+def _sampler(slots: int) -> Callable:
+    """`sampler.sample`, or with `slots` = S > 0 `continuous.sample_continuous` over S slots
+    (the same arguments and tokens; `train.eval_slots`)."""
+    return functools.partial(sample_continuous, slots=slots) if slots else sample
+
+
 def make_sampled_responses(model: Transformer, task: Task, *, num_samples: int, temperature: float, rng: jax.Array,
-                           batch_size: int = 512, placement=None):
+                           batch_size: int = 512, placement=None, slots: int = 0):
     """`draw(params, prompts) -> (correct [N, n] bool, response_ids [N·n, T], response_mask
     [N·n, T])`: `num_samples` (n) responses to each of the N prompts of `prompts` (the
     `task.prompts` layout, with the reward's extras), sampled at `temperature` and scored by
@@ -301,7 +309,8 @@ def make_sampled_responses(model: Transformer, task: Task, *, num_samples: int, 
     match of the built-in tasks) is >= 0.5. Sample j of prompt i is row i·n + j, whose noise
     is `fold_in(rng, i·n + j)` at every call: the result depends on the parameters and
     prompts only, not on `batch_size` (sequences per batch) or the mesh. Used by sampled
-    evaluation and by the reward model's on-policy pairs (`runs.policy_pairs`)."""
+    evaluation and by the reward model's on-policy pairs (`runs.policy_pairs`). `slots` > 0:
+    each batch is decoded by continuous batching over that many slots (`_sampler`)."""
     from jaxrlhf.runs.sharding import Placement
 
     placement = placement or Placement.local()
@@ -310,8 +319,9 @@ def make_sampled_responses(model: Transformer, task: Task, *, num_samples: int, 
     score = _make_scorer(task, placement)
 
     def one_batch(params, prompt_ids, prompt_mask, first_row):
-        return sample(model, params, prompt_ids, prompt_mask, rng, temperature=temperature, num_samples=n,
-                      first_row=first_row, max_new_tokens=task.response_len, eos_id=task.eos_id, pad_id=task.pad_id)
+        return _sampler(slots)(model, params, prompt_ids, prompt_mask, rng, temperature=temperature,
+                               num_samples=n, first_row=first_row, max_new_tokens=task.response_len,
+                               eos_id=task.eos_id, pad_id=task.pad_id)
 
     decode = jax.jit(one_batch, out_shardings=placement.replicated)
 
@@ -329,7 +339,7 @@ def make_sampled_responses(model: Transformer, task: Task, *, num_samples: int, 
 
 
 def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, placement=None,
-                     sampled: SampledEval | None = None, seed: int = 0):
+                     sampled: SampledEval | None = None, seed: int = 0, slots: int = 0):
     """`accuracy(params) -> {"accuracy", "reward", ...}`: the held-out evaluation.
 
     Greedy decoding: `accuracy` is the mean of the reward's first component (the
@@ -344,7 +354,9 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
     The noise is fixed: sample j of held-out prompt i is row i·n + j of `sample(...,
     rng=jax.random.key(seed))` at every call, so two evaluations differ only by the
     parameters, and the numbers do not depend on the batch size or the mesh. A sampled
-    batch holds `batch_size // n` prompts (`batch_size` counts sequences).
+    batch holds `batch_size // n` prompts (`batch_size` counts sequences). `slots` > 0
+    (`train.eval_slots`): both decode by continuous batching over that many slots, the same
+    tokens as the static batch (`rollout.continuous`).
 
     `placement` (a `sharding.Placement`, default: one local device): `params` may be
     sharded on its mesh, across processes too. Every process holds the whole held-out
@@ -359,15 +371,16 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
     first = task.reward.components[0].name
 
     def greedy(params, prompt_ids, prompt_mask):
-        return sample(model, params, prompt_ids, prompt_mask, jax.random.key(0), temperature=0.0,
-                      max_new_tokens=task.response_len, eos_id=task.eos_id, pad_id=task.pad_id)
+        return _sampler(slots)(model, params, prompt_ids, prompt_mask, jax.random.key(0), temperature=0.0,
+                               max_new_tokens=task.response_len, eos_id=task.eos_id, pad_id=task.pad_id)
 
     decode_greedy = jax.jit(greedy, out_shardings=placement.replicated)
     score = _make_scorer(task, placement)
     draw = None
     if sampled is not None:
         draw = make_sampled_responses(model, task, num_samples=sampled.num_samples, temperature=sampled.temperature,
-                                      rng=jax.random.key(seed), batch_size=batch_size, placement=placement)
+                                      rng=jax.random.key(seed), batch_size=batch_size, placement=placement,
+                                      slots=slots)
 
     def sampled_eval(params) -> dict:
         n = sampled.num_samples

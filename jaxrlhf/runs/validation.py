@@ -51,7 +51,7 @@ _MINIMUM = {
     "dpo": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
     "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
     "train": {"log_every": 1, "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 1, "eval_batch_size": 1,
-              "eval_samples": 0},
+              "eval_samples": 0, "eval_slots": 0},
 }
 _OPTIM_MINIMUM = {"lr": 0, "warmup_steps": 0, "decay_steps": 0}
 

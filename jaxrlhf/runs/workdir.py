@@ -68,6 +68,7 @@ SAFE_TO_CHANGE = (
     "model.remat", "model.attention",    # how the same layers are computed
     "train.log_every", "train.progress", "train.tensorboard", "train.show_samples",
     "train.eval_every", "train.eval_batch_size", "train.eval_samples", "train.eval_k", "train.eval_temperature",
+    "train.eval_slots",
     "train.checkpoint_every", "train.keep_checkpoints", "train.export", "train.time_split",
     "train.monitor.*",                   # the health monitor's warning thresholds
     "train.max_param_norm_change",       # the update-size bound (runs.health)

@@ -77,12 +77,12 @@ def build(kind: str):
     return model, params, task
 
 
-def evaluate(kind: str, placement=None) -> dict:
+def evaluate(kind: str, placement=None, slots: int = 0) -> dict:
     model, params, task = build(kind)
     if placement is not None:
         params = placement.place_params(model, params)
     accuracy = tasks.make_accuracy_fn(model, task, batch_size=BATCH_SIZE, placement=placement, sampled=SAMPLED,
-                                      seed=3)
+                                      seed=3, slots=slots)
     return accuracy(params)
 
 

@@ -63,6 +63,22 @@ def test_host_reward_gives_the_device_reward_metrics(device_metrics):
     assert T.evaluate("host") == pytest.approx(device_metrics, abs=1e-12)
 
 
+def test_continuous_batching_gives_the_same_evaluation(device_metrics, monkeypatch):
+    """`train.eval_slots`: 3 slots fed from each batch's rows (8 sampled, 7 greedy) decode
+    the same tokens, so every metric is the static batch's; both decodes went through the
+    continuous sampler."""
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append((kw["slots"], kw["temperature"]))
+        return real(*args, **kw)
+
+    real = tasks.sample_continuous
+    monkeypatch.setattr(tasks, "sample_continuous", spy)
+    assert T.evaluate("device", slots=3) == pytest.approx(device_metrics, abs=1e-12)
+    assert {(3, 0.0), (3, T.SAMPLED.temperature)} <= set(calls)
+
+
 def test_sampled_metrics_are_consistent(reference, device_metrics):
     got = device_metrics
     n, ks = T.SAMPLED.num_samples, T.SAMPLED.ks
