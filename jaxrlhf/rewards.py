@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.rollout.sampler import stop_ids, until_stop
+
 KINDS = ("jax", "host", "model")
 
 
@@ -92,7 +94,7 @@ class Component:
     name: str
     weight: float = 1.0
     tokenizer: Any = None
-    eos_id: int | None = None
+    eos_id: int | tuple[int, ...] | None = None  # the ids that end a response (`sampler.stop_ids`)
     takes_params: bool = False
     vocab_size: int | None = None
 
@@ -127,17 +129,15 @@ def _check_scores(name: str, scores, n: int, host: bool):
 
 
 def _decode(tokenizer, ids_NxL, mask_NxL, eos_id, *, cut: bool = True):
-    """Texts of the valid tokens of each row, cut before the first `eos_id`, and `finished`
-    [N]. With `cut=False` every valid token is decoded except the EOS tokens themselves
-    (removed before decoding: a tokenizer may stop at EOS on its own), `finished` False."""
+    """Texts of the valid tokens of each row, cut before the first EOS (any of `eos_id`'s
+    ids, `sampler.stop_ids`), and `finished` [N]. With `cut=False` every valid token is
+    decoded except the EOS tokens themselves (removed before decoding: a tokenizer may stop
+    at EOS on its own), `finished` False."""
     texts, finished = [], []
     for row, m in zip(np.asarray(ids_NxL), np.asarray(mask_NxL).astype(bool)):
-        valid = row[m].tolist()
-        done = cut and eos_id is not None and eos_id in valid
-        if done:
-            valid = valid[: valid.index(eos_id)]
-        elif not cut:
-            valid = [t for t in valid if t != eos_id]
+        valid, done = until_stop(row[m].tolist(), eos_id) if cut else (row[m].tolist(), False)
+        if not cut:
+            valid = [t for t in valid if t not in stop_ids(eos_id)]
         texts.append(tokenizer.decode(valid, skip_special_tokens=True))
         finished.append(done)
     return texts, np.asarray(finished, bool)
@@ -266,13 +266,13 @@ def jax_reward(fn: Callable, *, name: str | None = None, weight: float = 1.0) ->
 
 
 def host_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: float = 1.0,
-                eos_id: int | None = None) -> Reward:
+                eos_id: int | tuple[int, ...] | None = None) -> Reward:
     """A reward on decoded text, run in Python:
     `fn(prompts: list[str], responses: list[str], extras) -> list[float]`.
 
     `tokenizer.decode(ids, skip_special_tokens=True)` decodes (CharTokenizer or a Hugging
-    Face tokenizer); responses are cut before the first `eos_id` (default: the
-    tokenizer's), and `extras["finished"]` `[N]` bool says whether it was emitted.
+    Face tokenizer); responses are cut before the first `eos_id` (one id or several, e.g.
+    a chat model's `<|im_end|>` and `<|endoftext|>`; default: the tokenizer's), and `extras["finished"]` `[N]` bool says whether it was emitted.
     """
     return Reward((Component(fn, "host", _name(fn, name), float(weight), tokenizer, eos_id),))
 

@@ -29,7 +29,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    eos_id: int | None = None
+    eos_id: int | tuple[int, ...] | None = None  # the token(s) that end a response (`sampler.stop_ids`)
     pad_id: int = 0
     num_samples: int = 1  # G responses per prompt (GRPO, RLOO)
     min_new_tokens: int = 0  # EOS cannot be drawn before this many response tokens

@@ -22,6 +22,7 @@ from jaxrlhf.algorithms import scoring
 from jaxrlhf.algorithms.common import response_hidden, response_logprobs
 from jaxrlhf.algorithms.scoring import RunningMoments
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.rollout.sampler import is_stop
 
 if TYPE_CHECKING:  # annotations only: ppo imports this module
     from jaxrlhf.algorithms.ppo import PPOConfig, PPOState
@@ -174,7 +175,7 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
         **roll.reward_metrics,
     )
     if cfg.sampling.eos_id is not None:
-        has_eos = jnp.any((roll.response_ids == cfg.sampling.eos_id) & mask, axis=1)
+        has_eos = jnp.any(is_stop(roll.response_ids, cfg.sampling.eos_id) & mask, axis=1)
         out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))
     return out
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
-from jaxrlhf.rollout.sampler import SampleOutput, _check, _pick, _row_keys, _step_noise, prefill
+from jaxrlhf.rollout.sampler import SampleOutput, _check, _pick, _row_keys, _step_noise, is_stop, prefill, stop_ids
 
 
 def check_slots(slots) -> int:
@@ -84,7 +84,7 @@ def sample_continuous(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | tuple[int, ...] | None = None,
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
@@ -100,7 +100,7 @@ def sample_continuous(
     as in `sample`, this batch's first row in a larger one split by rows (noise offset).
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
-           min_new_tokens)
+           min_new_tokens, eos_id)
     b, p = prompt_ids.shape
     t_max, g = int(max_new_tokens), int(num_samples)
     n = b * g
@@ -126,7 +126,7 @@ def sample_continuous(
     first_tok, first_logp = _pick(jnp.repeat(last_logits, g, axis=0) if g > 1 else last_logits,
                                   noise(rows_N, jnp.zeros((n,), jnp.int32)), temperature, top_k, top_p, banned,
                                   ban_eos)
-    ended = jnp.full((n,), t_max == 1) if eos_id is None else (first_tok == eos_id) | (t_max == 1)
+    ended = is_stop(first_tok, eos_id) | (t_max == 1)
     # The queue: the rows still going after token 0, in order.
     queue = jnp.argsort(ended, stable=True).astype(jnp.int32)
     queued = (n - ended.sum()).astype(jnp.int32)
@@ -165,7 +165,7 @@ def sample_continuous(
         token, logp = _pick(out.logits[:, 0], noise(jnp.minimum(row_S, n - 1), t_S), temperature, top_k, top_p,
                             banned, ban_eos and (t_S < min_new_tokens)[:, None])
         at = lambda x, val: x.at[row_S, t_S].set(val, mode="drop")  # idle slots (row n) write nothing
-        done = (t_S + 1 == t_max) if eos_id is None else (token == eos_id) | (t_S + 1 == t_max)
+        done = is_stop(token, eos_id) | (t_S + 1 == t_max)
         next_t = jnp.where(row_S < n, t_S + 1, t_S)  # an idle slot stays put (its cache index in range)
         state = dict(state, cache=out.cache, t=next_t, token=token, tokens=at(state["tokens"], token),
                      logps=at(state["logps"], logp), valid=at(state["valid"], True))
@@ -204,7 +204,7 @@ def generate_continuous(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | tuple[int, ...] | None = None,
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
@@ -218,9 +218,9 @@ def generate_continuous(
     a few run long); one program, no CPU row blocks.
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
-           min_new_tokens)
+           min_new_tokens, eos_id)
     fn = _compiled(model, slots=check_slots(slots), max_new_tokens=int(max_new_tokens),
-                   temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
-                   pad_id=int(pad_id), num_samples=int(num_samples), max_len=max_len,
+                   temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                   eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id), num_samples=int(num_samples), max_len=max_len,
                    min_new_tokens=int(min_new_tokens))
     return fn(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng)

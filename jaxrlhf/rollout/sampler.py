@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.models.transformer import Transformer, init_cache, project_logits
 
@@ -53,8 +54,37 @@ class SampleOutput(NamedTuple):
     lengths: jax.Array
 
 
+def stop_ids(eos_id) -> tuple[int, ...]:
+    """The token ids that end a response, from a sampler's `eos_id`: None -> (), one id ->
+    (id,), several (a chat model's `<|im_end|>` and `<|endoftext|>`: the `eos_token_id`
+    list of its `generation_config.json`) -> them, in order."""
+    if eos_id is None:
+        return ()
+    if isinstance(eos_id, (int, np.integer)):
+        return (int(eos_id),)
+    return tuple(int(i) for i in eos_id)
+
+
+def is_stop(tokens: jax.Array, eos_id) -> jax.Array:
+    """Whether each of `tokens` is one of `stop_ids(eos_id)` (bool, the shape of `tokens`)."""
+    out = jnp.zeros(jnp.shape(tokens), bool)
+    for i in stop_ids(eos_id):
+        out = out | (tokens == i)
+    return out
+
+
+def until_stop(token_ids: list, eos_id) -> tuple[list, bool]:
+    """(the ids before the first of `stop_ids(eos_id)`, whether there was one): a response's
+    content, on the host, for rewards and answers."""
+    ids = stop_ids(eos_id)
+    for j, t in enumerate(token_ids):
+        if t in ids:
+            return token_ids[:j], True
+    return token_ids, False
+
+
 def _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
-           min_new_tokens=0):
+           min_new_tokens=0, eos_id=None):
     if max_new_tokens is None or int(max_new_tokens) <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not 0 <= int(min_new_tokens) <= int(max_new_tokens):
@@ -72,6 +102,11 @@ def _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, t
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if eos_id is not None and not stop_ids(eos_id):
+        raise ValueError("eos_id is an empty list: give the token ids that end a response, or None (never stop)")
+    for i in stop_ids(eos_id):
+        if not 0 <= i < model.config.vocab_size:
+            raise ValueError(f"eos_id {i} is outside the vocabulary [0, {model.config.vocab_size})")
     total = prompt_ids.shape[1] + int(max_new_tokens)
     limit = model.config.max_position_embeddings if max_len is None else max_len
     if total > limit:
@@ -114,20 +149,20 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)  # a row with a NaN matches nothing: keep the id valid
 
 
-def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p, banned_id=None, ban=False):
+def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p, banned=None, ban=False):
     """(token [B], log-prob of it under softmax(logits/τ) [B]).
 
     Sampling is the Gumbel-max trick, `argmax(logits + g)`, exactly what
     `jax.random.categorical(key, logits)` computes when `g = jax.random.gumbel(key, ...)`.
-    Where `ban` (a bool, may be traced) holds, token `banned_id` cannot be drawn; like
-    top-k/top-p truncation this changes which tokens are drawn, not the log-probs.
+    Where `ban` (a bool, may be traced) holds, the tokens `stop_ids(banned)` cannot be drawn;
+    like top-k/top-p truncation this changes which tokens are drawn, not the log-probs.
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
     if temperature > 0:
         logits_BxV = logits_BxV / temperature
     logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
-    if banned_id is not None:
-        banned_V = ban & (jnp.arange(logits_BxV.shape[-1]) == banned_id)
+    if banned is not None:
+        banned_V = ban & is_stop(jnp.arange(logits_BxV.shape[-1]), banned)
         logits_BxV = jnp.where(banned_V, jnp.finfo(jnp.float32).min, logits_BxV)
     if temperature == 0:
         token = _argmax(logits_BxV)
@@ -187,7 +222,7 @@ def sample(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | tuple[int, ...] | None = None,
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
@@ -201,7 +236,7 @@ def sample(
     given their offsets sample exactly what the whole batch samples.
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
-           min_new_tokens)
+           min_new_tokens, eos_id)
     b, p = prompt_ids.shape
     t_max = int(max_new_tokens)
     n = b * num_samples
@@ -239,7 +274,7 @@ def sample(
                             ban_eos and (t < min_new_tokens))
         token = jnp.where(done, pad_id, token)
         logp = jnp.where(done, 0.0, logp)
-        new_done = done if eos_id is None else done | (token == eos_id)
+        new_done = done | is_stop(token, eos_id)
         return dict(state,
                     tokens=jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t)),
                     logps=jax.lax.dynamic_update_slice(logps, logp[:, None], (0, t)),
@@ -360,7 +395,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | tuple[int, ...] | None = None,
     pad_id: int = 0,
     num_samples: int = 1,
     max_len: int | None = None,
@@ -377,7 +412,8 @@ def generate(
       max_new_tokens: T, the response length (static).
       temperature: τ > 0 samples from softmax(logits/τ); 0 is greedy.
       top_k: keep the k most likely tokens (0: off). top_p: nucleus mass (1.0: off).
-      eos_id: a token that ends a sequence (kept in the response, mask 1); None: never stop.
+      eos_id: a token that ends a sequence (kept in the response, mask 1), or several (any
+        of them ends it: `stop_ids`); None: never stop.
       pad_id: written after EOS.
       num_samples: G responses per prompt, rows `b·G .. b·G + G − 1`.
       max_len: an explicit cap on P + T (defaults to config.max_position_embeddings).
@@ -397,9 +433,9 @@ def generate(
     Returns: `SampleOutput` with leading axis `B·num_samples`.
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
-           min_new_tokens)
+           min_new_tokens, eos_id)
     fn = _compiled(model, max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
-                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), num_samples=int(num_samples),
+                   top_p=float(top_p), eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id), num_samples=int(num_samples),
                    max_len=max_len, min_new_tokens=int(min_new_tokens))
     b = prompt_ids.shape[0]
     weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))

@@ -34,19 +34,24 @@ def task(**kw) -> mlc.ConfigDict:
 
 
 def jsonl_task(**kw) -> mlc.ConfigDict:
-    """Prompts + reference answers from local JSONL/Parquet files (GSM8K-style fields)."""
+    """Prompts + reference answers from local JSONL/Parquet files (GSM8K-style fields).
+    `stop_tokens`: more tokens that end a response besides the tokenizer's EOS and the
+    checkpoint's `generation_config.json` `eos_token_id`s (token strings or ids,
+    comma-separated, e.g. "<|endoftext|>"; `tasks.text_stop_ids`)."""
     return mlc.ConfigDict(dict(dict(
         name="jsonl", path="", test_path="", tokenizer_path="", prompt_key="question", answer_key="answer",
-        max_prompt_tokens=256, max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip"), **kw))
+        max_prompt_tokens=256, max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip",
+        stop_tokens=""), **kw))
 
 
 def word_problems_task(**kw) -> mlc.ConfigDict:
     """Generated one-digit arithmetic questions in words for a Hugging Face chat model
-    (`data.make_word_problems`); reward = exact answer + format_weight × "#### <n>" format."""
+    (`data.make_word_problems`); reward = exact answer + format_weight × "#### <n>" format;
+    `stop_tokens` as in `jsonl_task`."""
     return mlc.ConfigDict(dict(dict(
         name="word_problems", tokenizer_path="", num_train=4000, num_test=200, seed=0, max_prompt_tokens=128,
-        max_new_tokens=48, chat_template=True, system_prompt="Answer with '#### <number>'.", format_weight=0.0),
-        **kw))
+        max_new_tokens=48, chat_template=True, system_prompt="Answer with '#### <number>'.", format_weight=0.0,
+        stop_tokens=""), **kw))
 
 
 def reward(**kw) -> mlc.ConfigDict:

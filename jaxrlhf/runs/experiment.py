@@ -143,6 +143,9 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     main = jax.process_index() == 0
     runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
     task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
+    if len(task.stop_ids) > 1:
+        log.info("responses end at any of the token ids %s (%s)", list(task.stop_ids),
+                 ", ".join(repr(task.tokenizer.convert_ids_to_tokens(i)) for i in task.stop_ids))
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters

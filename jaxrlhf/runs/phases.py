@@ -125,7 +125,7 @@ def health_monitor(train, algorithm: str, *, clip: float, kl_target: float | Non
 def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig:
     """`monitor_kl`: the health monitor has a KL target, so the KL to the reference is
     measured even with β = 0 (`track_kl`)."""
-    sampling = setup.build_sampling(cfg.sampling, eos_id=task.eos_id, pad_id=task.pad_id)
+    sampling = setup.build_sampling(cfg.sampling, eos_id=task.stop_ids, pad_id=task.pad_id)
     return grpo.GRPOConfig(
         sampling=sampling, advantage=cfg.advantage, adv_eps=cfg.adv_eps, beta=cfg.beta,
         track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low,
@@ -386,7 +386,7 @@ def ppo_reward(cfg) -> str:
 
 
 def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
-    sampling = setup.build_sampling(cfg.sampling, eos_id=task.eos_id, pad_id=task.pad_id)
+    sampling = setup.build_sampling(cfg.sampling, eos_id=task.stop_ids, pad_id=task.pad_id)
     opt = lambda v: v if v > 0 else None
     return ppo.PPOConfig(
         sampling=sampling, kl_estimator=cfg.kl_estimator, kl_coef=cfg.kl_coef, kl_target=opt(cfg.kl_target),

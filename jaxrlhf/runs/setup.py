@@ -104,7 +104,7 @@ def build_optimizer(cfg, *, total_steps: int):
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else None))
 
 
-def build_sampling(cfg, *, eos_id: int | None, pad_id: int) -> SamplingConfig:
+def build_sampling(cfg, *, eos_id: int | tuple[int, ...] | None, pad_id: int) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                           top_p=cfg.top_p, eos_id=eos_id, pad_id=pad_id, num_samples=cfg.num_samples,
                           min_new_tokens=cfg.min_new_tokens, slots=cfg.get("slots", 0))

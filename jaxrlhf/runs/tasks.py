@@ -24,7 +24,7 @@ from jaxrlhf import data, rewards
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.runs.evaluation import SampledEval, sampled_metrics
 from jaxrlhf.rollout.continuous import sample_continuous
-from jaxrlhf.rollout.sampler import sample
+from jaxrlhf.rollout.sampler import sample, until_stop
 
 
 @dataclasses.dataclass
@@ -38,6 +38,9 @@ class Task:
     final_answer: `(response_ids [N, T], response_mask [N, T]) -> N` hashable answers (None:
       no answer), what sampled evaluation's majority vote (maj@k) compares; default: the
       response's valid tokens up to EOS, None for a response without EOS.
+    stop_ids: every token id that ends a response (`eos_id` first), what the samplers stop
+      on and the rewards cut at: a text task adds its checkpoint's `generation_config.json`
+      `eos_token_id` list and `task.stop_tokens` (`text_stop_ids`).
     """
 
     name: str
@@ -57,21 +60,25 @@ class Task:
     extra_keys: tuple[str, ...]
     decode: Callable[[np.ndarray], str]
     final_answer: Callable[[np.ndarray, np.ndarray], list] | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.stop_ids:
+            object.__setattr__(self, "stop_ids", (self.eos_id,))
 
     def answers(self, response_ids_NxT, response_mask_NxT) -> list:
         """The final answer of each response (`final_answer`, or its default)."""
         if self.final_answer is not None:
             return list(self.final_answer(response_ids_NxT, response_mask_NxT))
-        return [tuple(v) if done else None for v, done in _until_eos(response_ids_NxT, response_mask_NxT, self.eos_id)]
+        return [tuple(v) if done else None
+                for v, done in _until_eos(response_ids_NxT, response_mask_NxT, self.stop_ids)]
 
 
 def _until_eos(response_ids_NxT, response_mask_NxT, eos_id) -> list[tuple[list, bool]]:
     """(valid token ids before the first EOS, whether there was one) of each response."""
     out = []
     for row, m in zip(np.asarray(response_ids_NxT), np.asarray(response_mask_NxT).astype(bool)):
-        valid = row[m].tolist()
-        done = eos_id is not None and eos_id in valid
-        out.append((valid[: valid.index(eos_id)] if done else valid, done))
+        out.append(until_stop(row[m].tolist(), eos_id))
     return out
 
 
@@ -134,20 +141,49 @@ def _prompt_arrays(prompts: data.PromptData, prompt_len: int, pad_id: int, field
     return dict(fields, prompt_ids=ids, prompt_mask=mask, answer=_objects(prompts.answer))
 
 
+def text_stop_ids(tok, folder: str, stop_tokens: str = "") -> tuple[int, ...]:
+    """The ids that end a chat model's response: the tokenizer's EOS, the `eos_token_id`
+    (one id or a list, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`) of `folder`'s
+    `generation_config.json` if it has one, and `stop_tokens` ("<|eot_id|>,128001": token
+    strings or ids, comma-separated; `task.stop_tokens`), in that order, each once."""
+    import json
+    from pathlib import Path
+
+    ids = [tok.eos_token_id]
+    gen = Path(folder) / "generation_config.json" if folder else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos]
+    vocab = tok.get_vocab()
+    for item in (s.strip() for s in stop_tokens.split(",")):
+        if not item:
+            continue
+        if item.isdigit() and int(item) < len(tok):
+            ids.append(int(item))
+        elif item in vocab:
+            ids.append(vocab[item])
+        else:
+            raise ValueError(f"task.stop_tokens: {item!r} is neither a token of the tokenizer nor an id below "
+                             f"{len(tok)}; give token strings (e.g. '<|endoftext|>') or ids, comma-separated")
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cfg, *, source: str,
-               format_weight: float = 0.0) -> Task:
+               folder: str, format_weight: float = 0.0) -> Task:
     """A task on text prompts with reference answers: a Hugging Face tokenizer, and on the
     host the exact-answer reward (`data.final_answer_reward`, the evaluation's accuracy),
-    plus `format_weight` × `data.answer_format_reward` when that weight is > 0."""
+    plus `format_weight` × `data.answer_format_reward` when that weight is > 0. Responses
+    end at any of `text_stop_ids(tok, folder, cfg.stop_tokens)`."""
     if not train.prompt_ids or not test.prompt_ids:
         raise ValueError(f"{source}: no usable prompts (train: {train.skipped}; test: {test.skipped})")
     prompt_len = max(len(x) for x in train.prompt_ids + test.prompt_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stops = text_stop_ids(tok, folder, cfg.get("stop_tokens", ""))
     reward = rewards.host_reward(lambda prompts, responses, ex: data.final_answer_reward(responses, ex["answer"]),
-                                 tok, name="exact_answer")
+                                 tok, name="exact_answer", eos_id=stops)
     if format_weight > 0:
         fmt = rewards.host_reward(lambda prompts, responses, ex: data.answer_format_reward(responses), tok,
-                                  name="format")
+                                  name="format", eos_id=stops)
         reward = rewards.combine([(1.0, reward), (float(format_weight), fmt)])
     fields = _field_names(train, test)
     return Task(
@@ -159,7 +195,8 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
         # what `final_answer_reward` compares: the extracted final answer of the text before EOS
         final_answer=lambda ids, mask: [data.extract_final_answer(tok.decode(v, skip_special_tokens=True))
-                                        for v, _ in _until_eos(ids, mask, tok.eos_token_id)])
+                                        for v, _ in _until_eos(ids, mask, stops)],
+        stop_ids=stops)
 
 
 def _tokenizer(name: str, tokenizer_path: str):
@@ -182,7 +219,8 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
                                           max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
                                           system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
     return _text_task("jsonl", tok, read(cfg.path), read(cfg.test_path or cfg.path), cfg,
-                      source=f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}")
+                      source=f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}",
+                      folder=tokenizer_path)
 
 
 def word_problems(cfg, *, tokenizer_path: str) -> Task:
@@ -200,7 +238,7 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
 
     return _text_task("word_problems", tok, make(cfg.num_train, "train", cfg.seed),
                       make(cfg.num_test, "test", cfg.seed + 1), cfg, source="task.name='word_problems'",
-                      format_weight=cfg.format_weight)
+                      folder=tokenizer_path, format_weight=cfg.format_weight)
 
 
 TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems}
@@ -246,7 +284,7 @@ def with_python_rewards(task: Task, cfg) -> Task:
     if not fns and (cfg is None or cfg.task_weight == 1.0):
         return task
     parts = [(float(cfg.task_weight), task.reward)]
-    parts += [(w, rewards.trl_reward(fn, task.tokenizer, name=name, eos_id=task.eos_id)) for w, name, fn in fns]
+    parts += [(w, rewards.trl_reward(fn, task.tokenizer, name=name, eos_id=task.stop_ids)) for w, name, fn in fns]
     return dataclasses.replace(task, reward=rewards.combine(parts))
 
 
@@ -321,7 +359,7 @@ def make_sampled_responses(model: Transformer, task: Task, *, num_samples: int, 
     def one_batch(params, prompt_ids, prompt_mask, first_row):
         return _sampler(slots)(model, params, prompt_ids, prompt_mask, rng, temperature=temperature,
                                num_samples=n, first_row=first_row, max_new_tokens=task.response_len,
-                               eos_id=task.eos_id, pad_id=task.pad_id)
+                               eos_id=task.stop_ids, pad_id=task.pad_id)
 
     decode = jax.jit(one_batch, out_shardings=placement.replicated)
 
@@ -372,7 +410,7 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
 
     def greedy(params, prompt_ids, prompt_mask):
         return _sampler(slots)(model, params, prompt_ids, prompt_mask, jax.random.key(0), temperature=0.0,
-                               max_new_tokens=task.response_len, eos_id=task.eos_id, pad_id=task.pad_id)
+                               max_new_tokens=task.response_len, eos_id=task.stop_ids, pad_id=task.pad_id)
 
     decode_greedy = jax.jit(greedy, out_shardings=placement.replicated)
     score = _make_scorer(task, placement)

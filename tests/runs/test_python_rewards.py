@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxrlhf.runs import train_and_evaluate
@@ -85,3 +86,30 @@ def test_a_reward_with_the_wrong_number_of_scores_stops_grpo_naming_it(files, tm
     with pytest.raises(ValueError, match=r"reward 'one_short' returned shape \(\d+,\); expected \[N\]"):
         train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "run" / "grpo").exists()  # no GRPO step, no checkpoint
+
+
+def test_responses_end_at_every_stop_token_of_the_checkpoint_and_config(files, tmp_path):
+    """A chat model's several EOS ids: the tokenizer's, `generation_config.json`'s list and
+    `task.stop_tokens` (a token string and an id) reach the task, its rewards and the RL
+    phases' samplers (the sampler's own stopping: tests/rollout/test_stop_ids.py); a token
+    the tokenizer lacks is refused naming the field."""
+    import shutil
+
+    from jaxrlhf.runs import phases, tasks
+
+    ckpt = shutil.copytree(files[0], tmp_path / "ckpt")
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    config = _with(_config("hf_gsm8k_grpo"), ckpt, files[1])
+    with config.unlocked():
+        config.task.stop_tokens = "=, 7"
+    task = tasks.build_task(config.task, model_path=str(ckpt))
+    want = (2, 9, task.tokenizer.convert_tokens_to_ids("="), 7)
+    assert task.stop_ids == want and task.eos_id == 2
+    assert phases.grpo_config(config.grpo, task).sampling.eos_id == want
+    assert all(c.eos_id == want for c in task.reward.components)
+    ids = np.asarray([[5, 9, 6], [5, 7, 6], [5, 6, 6]])  # "1<9>2", "1<7>2", "122"
+    assert task.answers(ids, np.ones_like(ids, bool)) == ["1", "1", "122"]  # the text before the first stop
+    with config.unlocked():
+        config.task.stop_tokens = "<|im_end|>"
+    with pytest.raises(ValueError, match=r"task.stop_tokens: '<\|im_end\|>' is neither a token"):
+        tasks.build_task(config.task, model_path=str(ckpt))
