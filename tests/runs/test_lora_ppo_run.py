@@ -5,11 +5,13 @@ Every phase (SFT warm start, reward model, PPO's actor and critic) trains rank-4
 (and the reward model's and critic's score heads); PPO's first iteration has KL 0 to its
 reference, the base without the actor's adapters; the export is the merged policy, which
 transformers loads, and its PEFT folder on the exported base gives the same logits.
-The LoRA roles themselves are tested in-process in tests/algorithms/test_ppo_lora.py.
+`model.lora.phases` of a PPO run is checked in-process. The LoRA roles themselves are
+tested in-process in tests/algorithms/test_ppo_lora.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +21,8 @@ from pathlib import Path
 import _xla
 import numpy as np
 import pytest
+
+from jaxrlhf.runs import validation
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,3 +63,20 @@ def test_the_merged_export_loads_in_transformers_and_equals_its_peft_folder(run)
         adapted = peft.PeftModel.from_pretrained(base, export / "peft").eval()(input_ids=ids).logits.numpy()
     assert np.abs(merged - plain).max() > 1e-4  # the adapters moved the policy
     np.testing.assert_allclose(adapted, merged, atol=1e-5, rtol=0)
+
+
+def test_lora_phases_of_a_ppo_run_are_checked_before_any_work():
+    """`model.lora.phases` may name PPO's reward-model and PPO phases ("" = all of them);
+    a phase the run does not have is an error naming the field."""
+    spec = importlib.util.spec_from_file_location("addition_ppo", REPO / "configs" / "addition_ppo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    with config.unlocked():
+        config.model.lora.rank = 4
+        assert validation.lora_phases(config) == ("sft", "reward_model", "ppo")
+        config.model.lora.phases = "reward_model,ppo"
+        assert validation.lora_phases(config) == ("reward_model", "ppo")
+        config.model.lora.phases = "grpo"
+        with pytest.raises(ValueError, match=r"model.lora.phases='grpo': 'grpo' is not a phase of this run"):
+            validation.lora_phases(config)
