@@ -6,7 +6,7 @@ whatever the kernel's dtype), `s = alpha / r` (rsLoRA: `alpha / sqrt(r)`). `B` s
 so a fresh adapter leaves the model exactly as it was. A projection computes the adapter
 term only where its params hold `lora_a`: the same params with the adapters dropped
 (`without_adapters`, no copy of any array) are the base model — the reference policy of
-GRPO and DPO.
+GRPO, PPO and DPO.
 
 Training only the adapters is a partition of the one params pytree: `trainable(params)`
 (the adapter leaves and any new head of `HEADS` — a critic's value head, a reward model's
