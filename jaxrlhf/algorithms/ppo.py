@@ -3,7 +3,14 @@
 Actor (trained, LM head), critic (trained: its own "score"-head `Transformer`, or a value
 head on the actor's trunk, `head="lm_value"`), reference (frozen copy of the starting
 actor) and reward (a `rewards.Reward`: a frozen reward-model `Transformer`, whose params
-the state holds, or JAX reward functions; see `scoring.compiled_reward`). One iteration:
+the state holds, or JAX reward functions; see `scoring.compiled_reward`).
+
+With LoRA (`models.lora`) the four roles are one frozen base plus small trained parts:
+actor params with adapters train only those (and a shared critic's value head); the
+reference is the actor's base without them (`ref_params=None`, `reference_params`); a
+separate critic, and a reward model, may hold only their adapters and score head
+(`lora.is_part`), which run on the actor's base (`on_actor`): no copy of the base.
+One iteration:
 
     prompts → sample (actor) → score_rollout: old logp, ref logp, values, RM score
             → process_scores: missing-EOS penalty, whitening, clipping
@@ -61,10 +68,13 @@ from jaxrlhf.algorithms.ppo_rollout import (
     Advantages,
     Rollout,
     compute_advantages,
+    on_actor,
     process_scores,
+    reference_params,
     rollout_metrics,
     score_rollout,
 )
+from jaxrlhf.models import lora
 from jaxrlhf.algorithms.scoring import RunningMoments
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.rollout.sampler import SampleOutput
@@ -246,9 +256,12 @@ def _check_models(actor_model: Transformer, critic_model: Transformer | None, cf
 @flax.struct.dataclass
 class PPOState:
     """actor: TrainState (params include the value head when the trunk is shared).
-    critic: TrainState of the separate critic, or None when shared.
-    ref_params: frozen reference (a copy of the starting actor).
-    reward_params: frozen reward-model params, or None for a parameter-free reward.
+    critic: TrainState of the separate critic, or None when shared; its params may be a
+      LoRA part on the actor's base (`on_actor`).
+    ref_params: frozen reference (a copy of the starting actor), or None when the actor
+      has LoRA adapters: the reference is then its base (`reference_params`).
+    reward_params: frozen reward-model params (maybe a LoRA part on the actor's base), or
+      None for a parameter-free reward.
     kl_ctl: the KL controller (β). reward_stats: running score moments.
     step: PPO iterations done (RNG is `fold_in(rng, step)`)."""
 
@@ -281,7 +294,10 @@ def init_state(
 
     reward: any form `scoring.compiled_reward` accepts (its params, if any, are stored
       frozen); `reward_params` overrides/gives them. ref_params: defaults to a copy of
-      actor_params.
+      actor_params, or, when those hold LoRA adapters, to none: the reference is their
+      base (`reference_params`, no copy).
+    critic_params / reward_params may be a LoRA part alone (`lora.is_part`: adapters and
+      score head), run on the actor's base (`on_actor`).
 
     The state holds `actor_params` / `critic_params` themselves (no copy): `make_iteration`
     donates the trained part of the state by default, after which those arrays are
@@ -299,11 +315,15 @@ def init_state(
     if not cfg.shared:
         if critic_params is None or tx_critic is None:
             raise ValueError("critic='separate' needs critic_params and tx_critic")
+        if lora.has_adapters(critic_params) != lora.has_adapters(actor_params):
+            raise ValueError("critic_params: give LoRA adapters to both the actor and the critic or to neither "
+                             "(a LoRA critic trains its adapters and score head on a frozen base)")
         critic = TrainState.create(critic_params, tx_critic)
     return PPOState(
         actor=TrainState.create(actor_params, tx_actor),
         critic=critic,
-        ref_params=copy(actor_params if ref_params is None else ref_params),
+        ref_params=ref_params if ref_params is not None else (
+            None if lora.has_adapters(actor_params) else copy(actor_params)),
         reward_params=reward_params,
         kl_ctl=kl_controller.init(cfg.kl_config),
         reward_stats=RunningMoments.create(),
@@ -336,7 +356,7 @@ def ppo_loss(
     logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
                                           temperature=cfg.sampling.temperature, with_entropy=True)
     if not cfg.shared:
-        _, values = response_hidden(critic_model, params["critic"], seq, attn, prompt_len)
+        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len)
     pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
@@ -462,7 +482,8 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     del rng
     g = cfg.sampling.num_samples
     extras_n = scoring.repeat_extras(extras, g, out.response_ids.shape[0] // g)
-    scores = {**reward.device_scores(rewards.RewardInput.from_sample(out), extras_n, state.reward_params),
+    reward_params = on_actor(state.actor.params, state.reward_params)
+    scores = {**reward.device_scores(rewards.RewardInput.from_sample(out), extras_n, reward_params),
               **host_scores}
     p = out.sequences.shape[1] - out.response_ids.shape[1]
     roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
@@ -567,5 +588,6 @@ def make_iteration(
 
 
 __all__ = ["CRITIC_MODES", "MISSING_EOS_MODES", "REWARD_WHITENING", "Advantages", "PPOConfig", "PPOState", "Rollout",
-           "RunningMoments", "Scored", "compute_advantages", "init_state", "loss_fn", "make_iteration", "ppo_loss",
-           "process_scores", "rollout", "rollout_metrics", "score", "score_rollout", "split", "train", "update"]
+           "RunningMoments", "Scored", "compute_advantages", "init_state", "loss_fn", "make_iteration", "on_actor",
+           "ppo_loss", "process_scores", "reference_params", "rollout", "rollout_metrics", "score", "score_rollout",
+           "split", "train", "update"]

@@ -7,7 +7,9 @@
     rollout_metrics     what the rollout looked like (scores, KL, lengths, advantages)
 
 Pure functions of the arrays, a `PPOConfig` and (for `score_rollout`) a `PPOState`, all
-re-exported by `ppo`, whose iteration composes them.
+re-exported by `ppo`, whose iteration composes them. With LoRA the roles share the actor's
+frozen base: `reference_params` (the base without the actor's adapters) and `on_actor`
+(a critic's or reward model's adapters and head on that base) give their params, no copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jaxrlhf import ops, rewards
 from jaxrlhf.algorithms import scoring
 from jaxrlhf.algorithms.common import response_hidden, response_logprobs
 from jaxrlhf.algorithms.scoring import RunningMoments
+from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.rollout.sampler import is_stop
 
@@ -48,6 +51,22 @@ class Rollout(NamedTuple):
     reward_metrics: dict
 
 
+def reference_params(state: PPOState) -> Any:
+    """The reference policy's params: `state.ref_params`, or when there are none and the
+    actor has LoRA adapters, the actor's base without them (`lora.without_adapters`: the
+    same arrays, no copy)."""
+    if state.ref_params is None and lora.has_adapters(state.actor.params):
+        return lora.without_adapters(state.actor.params)
+    return state.ref_params
+
+
+def on_actor(actor_params: Any, params: Any) -> Any:
+    """A role's full params (the critic's, the reward model's): `params` themselves, or when
+    they are a trained part alone (`lora.is_part`: a LoRA critic's or reward model's
+    adapters and score head), that part on the actor's frozen base (`lora.on_base`, no copy)."""
+    return lora.on_base(actor_params, params) if params is not None and lora.is_part(params) else params
+
+
 def score_rollout(
     actor_model: Transformer,
     critic_model: Transformer | None,
@@ -70,11 +89,11 @@ def score_rollout(
     actor_params = jax.lax.stop_gradient(state.actor.params)
     old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
                                             temperature=tau)
-    ref_logp, _, _ = response_logprobs(actor_model, jax.lax.stop_gradient(state.ref_params), sequences,
+    ref_logp, _, _ = response_logprobs(actor_model, jax.lax.stop_gradient(reference_params(state)), sequences,
                                        attention_mask, prompt_len, temperature=tau)
     if not cfg.shared:
-        _, values = response_hidden(critic_model, jax.lax.stop_gradient(state.critic.params), sequences,
-                                    attention_mask, prompt_len)
+        critic = on_actor(actor_params, jax.lax.stop_gradient(state.critic.params))
+        _, values = response_hidden(critic_model, critic, sequences, attention_mask, prompt_len)
     inputs = rewards.RewardInput.from_sequences(sequences, attention_mask, prompt_len)
     response_ids, response_mask = inputs.response_ids, inputs.response_mask
     reward_metrics = reward.metrics(scores)

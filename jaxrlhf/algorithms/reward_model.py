@@ -75,20 +75,21 @@ def _check_score_model(model: Transformer) -> None:
 
 
 def init_from_policy(policy_model: Transformer, policy_params: PyTree, *, seed: int = 0,
-                     head_std: float = 0.02) -> tuple[Transformer, PyTree]:
+                     head_std: float = 0.02, copy: bool = True) -> tuple[Transformer, PyTree]:
     """A reward model on a policy's trunk: `(Transformer(config, "score"), params)`.
 
-    Every trunk tensor (embeddings, layers, final norm) is copied; the LM and value heads
-    are dropped and a new `score` head `[D, 1]` is drawn from N(0, head_std²) with `seed`.
-    From a Hugging Face causal-LM folder, `models.load_pretrained(path, head="score")` does
-    the same in one call.
+    Every trunk tensor (embeddings, layers, final norm) is copied (with `copy=False`
+    shared: for a frozen LoRA trunk, whose train state never donates it); the LM and value
+    heads are dropped and a new `score` head `[D, 1]` is drawn from N(0, head_std²) with
+    `seed`. From a Hugging Face causal-LM folder, `models.load_pretrained(path,
+    head="score")` does the same in one call.
     """
     trunk = {k: v for k, v in policy_params.items() if k not in ("lm_head", "value_head", "score")}
     d = policy_model.config.hidden_size
     dtype = jnp.dtype(policy_model.config.param_dtype)
     kernel = head_std * jax.random.normal(jax.random.key(seed), (d, 1), jnp.float32)
     params = dict(trunk, score={"kernel": kernel.astype(dtype)})
-    return Transformer(policy_model.config, head="score"), jax.tree.map(jnp.array, params)
+    return Transformer(policy_model.config, head="score"), jax.tree.map(jnp.array, params) if copy else params
 
 
 def init_state(params: PyTree, tx: optax.GradientTransformation) -> common.TrainState:

@@ -6,13 +6,18 @@ whatever the kernel's dtype), `s = alpha / r` (rsLoRA: `alpha / sqrt(r)`). `B` s
 so a fresh adapter leaves the model exactly as it was. A projection computes the adapter
 term only where its params hold `lora_a`: the same params with the adapters dropped
 (`without_adapters`, no copy of any array) are the base model — the reference policy of
-GRPO and DPO.
+GRPO, PPO and DPO.
 
 Training only the adapters is a partition of the one params pytree: `trainable(params)`
-(the adapter leaves, or all of them when there are none) is what the optimizer and the
-gradient see, `with_trainable(params, new)` puts updated adapters back
+(the adapter leaves and any new head of `HEADS` — a critic's value head, a reward model's
+score head —, or all of them when there are no adapters) is what the optimizer and the
+gradient see, `with_trainable(params, new)` puts them back
 (`algorithms.common.TrainState`, `accumulate_gradients`). The base is an argument the
 gradient is never taken for: no base-sized gradient nor optimizer state exists.
+
+A role trained on another's frozen base (PPO's LoRA critic and reward model on the
+actor's base) may hold only its trained part (`is_part`); `on_base(base, part)` is its
+full params, sharing the base's arrays.
 
 Adapters carry their kernel's logical axes (`A`: the kernel's input axes, `B`: its output
 axes; the rank axis unsharded), so the sharding rules place them like their kernel.
@@ -44,6 +49,9 @@ PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self
 LM_HEAD = "lm_head"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_KEYS = ("lora_a", "lora_b")
+# Heads a model with adapters trains in full: new ones, not in the base (PPO's value head on
+# the actor's trunk or a critic's/reward model's score head). An LM head is part of the base.
+HEADS = ("value_head", "score")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,37 +134,62 @@ def _is_adapter_path(path) -> bool:
     return bool(path) and getattr(path[-1], "key", None) in ADAPTER_KEYS
 
 
+def _trained_leaf(path) -> bool:
+    """An adapter leaf, or a leaf under a head of `HEADS`."""
+    return _is_adapter_path(path) or any(getattr(k, "key", None) in HEADS for k in path)
+
+
 def has_adapters(params: PyTree) -> bool:
     """Whether `params` holds any adapter (a static fact of the tree's structure)."""
     return any(_is_adapter_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
-def _filter(params: Mapping, keep) -> dict:
-    """The nested dicts of `params` with only the leaves `keep(key)` accepts (empty dicts dropped)."""
+def _filter(params: Mapping, keep, prefix=()) -> dict:
+    """The nested dicts of `params` with only the leaves `keep(path)` accepts (a path of
+    `jax.tree_util.DictKey`s, as `tree_flatten_with_path` gives; empty dicts dropped)."""
     out = {}
     for k, v in params.items():
+        path = prefix + (jax.tree_util.DictKey(k),)
         if isinstance(v, Mapping):
-            sub = _filter(v, keep)
+            sub = _filter(v, keep, path)
             if sub:
                 out[k] = sub
-        elif keep(k):
+        elif keep(path):
             out[k] = v
     return out
 
 
 def adapters(params: PyTree) -> dict:
     """Only the adapter leaves of `params`, in their nested dicts."""
-    return _filter(params, lambda k: k in ADAPTER_KEYS)
+    return _filter(params, _is_adapter_path)
 
 
 def without_adapters(params: PyTree) -> dict:
     """`params` with every adapter dropped: the base model, sharing its arrays (no copy)."""
-    return _filter(params, lambda k: k not in ADAPTER_KEYS)
+    return _filter(params, lambda path: not _is_adapter_path(path))
 
 
 def trainable(params: PyTree) -> PyTree:
-    """What training updates: the adapters when `params` has any, else all of `params`."""
-    return adapters(params) if has_adapters(params) else params
+    """What training updates: when `params` has adapters, they and the new heads of `HEADS`
+    (a value or score head is trained in full on a frozen, adapted trunk); else all of
+    `params`. Works on any tree keyed like params (PPO's `{"actor": ..., "critic": ...}`,
+    a tree of shardings)."""
+    return _filter(params, _trained_leaf) if has_adapters(params) else params
+
+
+def is_part(params: PyTree) -> bool:
+    """Whether `params` are a trained part alone (adapters and heads, no base weight): a
+    role that runs on another role's frozen base (`on_base`)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return any(_is_adapter_path(p) for p, _ in flat) and all(_trained_leaf(p) for p, _ in flat)
+
+
+def on_base(base: PyTree, part: PyTree) -> dict:
+    """The full params of a role whose trained `part` (`trainable` of it: adapters and its
+    head) sits on another role's frozen `base` (e.g. PPO's actor params): the base's
+    trunk (its adapters, LM head and `HEADS` dropped) with `part` put in; no array copied."""
+    trunk = {k: v for k, v in without_adapters(base).items() if k not in (LM_HEAD, *HEADS)}
+    return _merge_trees(trunk, part)
 
 
 def with_trainable(params: PyTree, new: PyTree) -> PyTree:

@@ -74,13 +74,14 @@ def model(**kw) -> mlc.ConfigDict:
 
 
 def lora(**kw) -> mlc.ConfigDict:
-    """LoRA adapters on the policy (`jaxrlhf.models.lora`; SFT, GRPO and DPO runs). rank:
-    0 = off (all weights trained), r > 0 = only rank-r adapters are, the rest frozen, and the
-    reference of GRPO/DPO is the base without them. alpha: scale alpha / r (alpha / sqrt(r)
-    with `rslora`). targets: comma-separated regexes searched in the projection paths
-    ("self_attn/q_proj", ..., "mlp/down_proj", "lm_head" when untied). phases: the policy
-    phases that train adapters, comma-separated ("" = all; "grpo": the SFT warm start
-    trains all weights); each starts with fresh ones, those of the phase before merged."""
+    """LoRA adapters (`jaxrlhf.models.lora`; every phase: SFT, GRPO, DPO, PPO's actor and
+    critic, the reward model). rank: 0 = off (all weights trained), r > 0 = only rank-r
+    adapters are (and a critic's or reward model's new head), the rest frozen, and the
+    reference of GRPO/PPO/DPO is the base without them. alpha: scale alpha / r (alpha /
+    sqrt(r) with `rslora`). targets: comma-separated regexes searched in the projection paths
+    ("self_attn/q_proj", ..., "mlp/down_proj", "lm_head" when untied). phases: the phases
+    that train adapters, comma-separated ("" = all; "grpo": the SFT warm start trains all
+    weights); each starts with fresh ones, those of the phase before merged."""
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # `models.lora.DEFAULT_TARGETS`
     return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases=""), **kw))
 

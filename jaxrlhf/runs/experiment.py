@@ -19,9 +19,12 @@ the table (start, after SFT, after the last phase) and every periodic evaluation
 reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@k`,
 `maj@k`, see `runs.evaluation`) as extra columns and `eval/pass@4`-style metrics.
 
-With `model.lora.rank` > 0 the policy phases of `model.lora.phases` train LoRA adapters
-only (`models.lora`, `setup.lora_model` / `setup.start_adapters`), their reference being
-the base without them, and the export adds the PEFT folder `export/peft`.
+With `model.lora.rank` > 0 the phases of `model.lora.phases` train LoRA adapters only
+(`models.lora`, `setup.lora_model` / `setup.start_adapters`; a reward model or PPO critic
+also its new head), a policy's reference being the base without them, and the export adds
+the PEFT folder `export/peft` (a reward model's export is merged only). A PPO run whose
+reward-model and PPO phases both train adapters keeps one base: the reward model's
+adapters and head run on the actor's (`ppo.on_actor`).
 
 With `train.stop_metric` set, a phase (the run's own, or those of `train.stop_phases`)
 stops when that held-out metric has not improved for `train.stop_patience` evaluations,
@@ -87,16 +90,23 @@ def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | Non
     return text
 
 
+def _export_merged(model, params, path: Path, tokenizer=None) -> Transformer:
+    """`model` (any head) as a Hugging Face folder at `path`, LoRA adapters merged into the
+    weights (`lora.merge`); returns the model without adapters it was written as."""
+    plain = Transformer(model.config.replace(lora=None), head=model.head)
+    merged = lora.merge(model.config, params) if lora.has_adapters(params) else params
+    save_pretrained(plain, merged, path, tokenizer=tokenizer, overwrite=True)
+    return plain
+
+
 def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None) -> None:
     """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
     weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
     `base_path` (the checkpoint the phase started from), or else (an SFT warm start changed
     it) the base written to `path/peft/base`."""
+    plain = _export_merged(model, params, path, tokenizer)
     if not lora.has_adapters(params):
-        save_pretrained(model, params, path, tokenizer=tokenizer, overwrite=True)
         return
-    plain = Transformer(model.config.replace(lora=None), head=model.head)
-    save_pretrained(plain, lora.merge(model.config, params), path, tokenizer=tokenizer, overwrite=True)
     if not base_path:
         base_path = str(path / "peft" / "base")
         save_pretrained(plain, lora.without_adapters(params), base_path, tokenizer=tokenizer, overwrite=True)
@@ -179,19 +189,23 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
             config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
         rm = None
         if learned_reward:
+            # An SFT phase's adapters folded in: the base of the reward model and of PPO's roles.
+            params = setup.start_adapters(model, params, fresh=False, seed=0, placement=placement)
             rm_model, rm_params, rm_eval = phases.reward_model_phase(
-                config.reward_model, config.train, policy_model=model, policy_params=params, task=task,
+                config.reward_model, config.train, policy_model=model if "reward_model" in adapted else plain,
+                policy_params=params, task=task,
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement, early_stop=stops.get("reward_model"))
             extras["reward_model_heldout"] = rm_eval
             log.info("reward model held-out: %s", ", ".join(f"{k}={v:.4g}" for k, v in rm_eval.items()))
+            if {"reward_model", "ppo"} <= set(adapted):  # its frozen trunk is a copy of the actor's base:
+                rm_params = lora.trainable(rm_params)  # PPO keeps its adapters and head alone (the copy is freed)
             rm = (rm_model, rm_params)
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))
-            params, _ = phases.ppo_phase(config.ppo, config.train, params=params,
-                                         reward_model_and_params=rm,
+            params, _ = phases.ppo_phase(config.ppo, config.train, reward_model_and_params=rm,
                                          early_stop=_starting_from(stops, "ppo", rows[-1][1]),
-                                         rng=jax.random.fold_in(rng, 4), **common)
+                                         rng=jax.random.fold_in(rng, 4), **policy("ppo", 4))
         if config.algorithm == "dpo":
             rows.append((rl_start, accuracy(params)))
             params, extras["dpo_heldout_pairs"] = phases.dpo_phase(
@@ -211,7 +225,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
         elif config.train.export:
             host_params = placement.fetch(rm_params)
             if main:
-                save_pretrained(rm_model, host_params, workdir / "export", overwrite=True)
+                _export_merged(rm_model, host_params, workdir / "export")
     finally:
         writer.close()
     text = _print_summary(rows, samples, time.perf_counter() - start, show=main, sampled=sampled)

@@ -311,11 +311,15 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
     synthetic test pairs the reward model orders correctly, `policy_pairs/accuracy` that of
     on-policy pairs from the held-out prompts, and `policy_pairs/{train,test}_*` count the
     on-policy pairs and the prompts they came from.
+
+    With LoRA in `policy_model`'s config (`setup.lora_model`) the trunk (a copy: the train
+    state is donated each step) is frozen and fresh adapters plus the score head are trained.
     """
     placement = placement or Placement.local()
     pairs, held_out, stats = _reward_model_pairs(cfg, train, policy_model=policy_model, policy_params=policy_params,
                                                  task=task, rng=rng, placement=placement)
     model, params = reward_model.init_from_policy(policy_model, policy_params, seed=cfg.seed)
+    params = setup.start_adapters(model, params, fresh=True, seed=cfg.seed + 1)
     rcfg = reward_model.RewardModelConfig(num_microbatches=cfg.num_microbatches)
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     keys = dpo.PAIR_KEYS
@@ -411,6 +415,13 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
 
     On the mesh, each role's fields of the state take that model's shardings: actor and
     reference the policy's, the critic its own, the reward model its own.
+
+    With LoRA adapters in `params` (`model.config.lora`) one frozen base serves every role:
+    the actor trains its adapters, the reference is the base without them, the critic
+    trains its own adapters and score head on the same base arrays (or, shared, the value
+    head beside the actor's adapters), and reward-model params that are a LoRA part alone
+    (`lora.is_part`: adapters and score head, trained on a copy of this same base) run on
+    it too. Nothing of the base is copied.
     """
     placement = placement or Placement.local()
     pcfg = ppo_config(cfg, task)
@@ -424,22 +435,27 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
         reward, keys = rewards_lib.as_reward(task.reward), task.extra_keys
     critic_model = critic_params = tx_critic = None
     actor_model = model
+    adapted = lora.has_adapters(params)
     if pcfg.shared:
         actor_model = Transformer(model.config, head="lm_value")
         d = model.config.hidden_size
         params = dict(params, value_head={"kernel": jnp.zeros((d, 1), jnp.dtype(model.config.param_dtype))})
     else:
-        critic_model, critic_params = reward_model.init_from_policy(model, params, seed=cfg.seed + 1)
+        critic_model, critic_params = reward_model.init_from_policy(
+            model, lora.without_adapters(params), seed=cfg.seed + 1, copy=not adapted)
+        if adapted:  # only its adapters and score head: it runs on the actor's base (`ppo.on_actor`)
+            critic_params = lora.trainable(lora.add_adapters(critic_model, critic_params, jax.random.key(cfg.seed + 2)))
         tx_critic, _ = setup.build_optimizer(cfg.critic_optim, total_steps=updates)
     actor_sh = placement.param_shardings(actor_model)
     roles = {"actor": actor_sh, "ref_params": actor_sh}
     args = [placement.place(params, actor_sh), None, None]
+    own = lambda p, sh: lora.trainable(sh) if lora.is_part(p) else sh  # a part's shardings: the part's
     if rm_model is not None:
         roles["reward_params"] = placement.param_shardings(rm_model)
-        args[1] = placement.place(rm_params, roles["reward_params"])
+        args[1] = placement.place(rm_params, own(rm_params, roles["reward_params"]))
     if critic_model is not None:
         roles["critic"] = placement.param_shardings(critic_model)
-        args[2] = placement.place(critic_params, roles["critic"])
+        args[2] = placement.place(critic_params, own(critic_params, roles["critic"]))
 
     def make(actor_params, reward_params, critic_params):
         return ppo.init_state(pcfg, actor_model, actor_params, tx_actor, critic_model=critic_model,

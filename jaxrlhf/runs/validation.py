@@ -127,20 +127,13 @@ def check_shapes(config, placement: RowChecker) -> None:
                    {"ppo.num_microbatches": c.num_microbatches})
 
 
-LORA_ALGORITHMS = ("sft", "grpo", "dpo")  # the runs whose policy phases can train adapters
-
-
 def lora_phases(config) -> tuple[str, ...]:
     """The phases that train LoRA adapters (`model.lora`; none when its rank is 0), checked:
-    a rank >= 0, valid target patterns, an algorithm whose phases train the policy alone
-    (the critic and reward-model roles have no adapters yet), and `phases` among the run's."""
+    a rank >= 0, valid target patterns, and `phases` among the run's ("" = all of them).
+    A reward-model phase and a PPO critic train their new head beside the adapters."""
     section = config.get("model", {}).get("lora")
     if section is None or lora.from_section(section) is None:
         return ()
-    if config.algorithm not in LORA_ALGORITHMS:
-        raise ValueError(f"model.lora.rank={section.rank}: LoRA trains the policy of {'/'.join(LORA_ALGORITHMS)} "
-                         f"runs; algorithm={config.algorithm!r} also trains a critic or reward model, which has no "
-                         "adapters yet: set model.lora.rank=0")
     available = run_phases(config)
     names = tuple(x for x in section.phases.replace(" ", "").split(",") if x) or available
     for name in names:
