@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import lora as lora_lib
+from jaxrlhf.models import quant
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lora import LoraConfig
 
@@ -40,10 +41,10 @@ class Projection(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     n_out: int | None = None  # number of output axes; default: all but the first
     lora: LoraConfig | None = None  # this projection's adapter, when the model's LoRA targets it
+    quantize: str = "none"  # QLoRA: the kernel may be stored quantised (`models.quant`)
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype)
         n_out = len(self.shape) - 1 if self.n_out is None else self.n_out
         n_in = len(self.shape) - n_out
         in_shape, out_shape = self.shape[:n_in], self.shape[n_in:]
@@ -52,7 +53,7 @@ class Projection(nn.Module):
         lead = x.shape[:-n_in]
         k = int(np.prod(in_shape))
         x_NxK = x.astype(self.dtype).reshape(*lead, k)
-        y = _rows_matmul(x_NxK, w.astype(self.dtype).reshape(k, -1))
+        y = _rows_matmul(x_NxK, self._kernel_KxM(k, n_in))
         # LoRA (`models.lora`): + s·(x A) B, only where the params hold the adapter (the
         # same params without it are the base model). B = 0 adds exactly 0.
         if self.lora is not None and (self.is_initializing() or self.has_variable("params", "lora_a")):
@@ -69,6 +70,18 @@ class Projection(nn.Module):
                            self.shape[-len(self.bias_axes):], self.param_dtype)
             y = y + b.astype(self.dtype)
         return y
+
+    def _kernel_KxM(self, k: int, n_in: int) -> jax.Array:
+        """The kernel as the `[K, M]` matrix the input multiplies, in the compute dtype: the
+        float param, or (QLoRA, `quantize` set and the params hold codes) de-quantised here,
+        inside the jit, so no float copy of the base is ever stored."""
+        if self.quantize != "none" and (self.is_initializing() or quant.is_quantized(
+                self.get_variable("params", "kernel"))):
+            q = self.param("kernel", quant.kernel_init(_init, self.quantize, self.axes, n_in), self.shape,
+                           self.param_dtype)
+            return quant.dequantize(q, self.dtype)
+        w = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype)
+        return w.astype(self.dtype).reshape(k, -1)
 
 
 def _adapter(config: ModelConfig, path: str) -> LoraConfig | None:

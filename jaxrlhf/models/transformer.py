@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxrlhf.models import attention
 from jaxrlhf.models import lora as lora_lib
+from jaxrlhf.models import quant
 from jaxrlhf.models.attention import AttentionMask
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig
 from jaxrlhf.models.projection import Projection, _adapter, _init, _rows_matmul
@@ -170,8 +171,8 @@ class Attention(nn.Module):
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         tail = slice(None) if queries is None else slice(-queries, None)
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
-        proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out,
-                                                                      _adapter(c, f"self_attn/{name}"), name=name)
+        proj = lambda name, shape, axes, bias, n_out=None: Projection(
+            shape, axes, bias, dt, pdt, n_out, _adapter(c, f"self_attn/{name}"), c.quantize, name=name)
         q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD[:, tail])
         key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
@@ -218,7 +219,7 @@ class MLP(nn.Module):
         d, f = c.hidden_size, c.intermediate_size
         bias = lambda ax: (ax,) if c.mlp_bias else None
         proj = lambda name, shape, axes, b: Projection(shape, axes, b, dt, pdt, lora=_adapter(c, f"mlp/{name}"),
-                                                       name=name)
+                                                       quantize=c.quantize, name=name)
         gate = proj("gate_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         up = proj("up_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         act = _ACTIVATIONS[c.hidden_act]
@@ -340,11 +341,13 @@ class Transformer(nn.Module):
                          name="embed_tokens")
         x = embed(input_ids_BxL)
         if c.scan_layers:
-            # Params without adapters are the base model (the reference): their shapes are
-            # checked against a stack without them.
-            plain = c.lora is not None and not self.is_initializing() and not lora_lib.has_adapters(
-                self.get_variable("params", "layers"))
-            layers = self.param("layers", _init_stacked_layers, c.replace(lora=None) if plain else c)
+            # Params without adapters are the base model (the reference), float ones the model
+            # before QLoRA quantised it: their shapes are checked against a stack like them.
+            stored = None if self.is_initializing() else self.get_variable("params", "layers")
+            like = c if stored is None else c.replace(
+                lora=c.lora if lora_lib.has_adapters(stored) else None,
+                quantize=c.quantize if quant.has_quantized(stored) else "none")
+            layers = self.param("layers", _init_stacked_layers, like)
             x, new_cache = scan_layers(c, layers, _embed_scaled(c, x), ropes, attn_mask, cache, cache_index,
                                        last_position_only=last_position_only)
         else:
