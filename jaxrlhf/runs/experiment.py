@@ -49,7 +49,7 @@ from pathlib import Path
 import jax
 
 from jaxrlhf import runlog
-from jaxrlhf.models import Transformer, lora, save_pretrained
+from jaxrlhf.models import lora, quant, save_pretrained
 from jaxrlhf.runs import phases, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
@@ -91,11 +91,13 @@ def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | Non
     """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
     weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
     `base_path` (the checkpoint the phase started from), or else (an SFT warm start changed
-    it) the base written to `path/peft/base`."""
+    it, or QLoRA quantised it) the base written to `path/peft/base`, de-quantised."""
     if not lora.has_adapters(params):
         save_pretrained(model, params, path, tokenizer=tokenizer, overwrite=True)
         return
-    plain = Transformer(model.config.replace(lora=None), head=model.head)
+    plain = quant.float_model(model)
+    if quant.has_quantized(params):  # QLoRA: the adapters' base is the de-quantised one, written beside them
+        params, base_path = quant.dequantize_base(model, params), None
     save_pretrained(plain, lora.merge(model.config, params), path, tokenizer=tokenizer, overwrite=True)
     if not base_path:
         base_path = str(path / "peft" / "base")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jaxrlhf.models import lora
+from jaxrlhf.models import lora, quant
 from jaxrlhf.runs.policy_pairs import PolicyPairsConfig
 from jaxrlhf.runs.stopping import run_phases
 
@@ -135,6 +135,8 @@ def lora_phases(config) -> tuple[str, ...]:
     a rank >= 0, valid target patterns, an algorithm whose phases train the policy alone
     (the critic and reward-model roles have no adapters yet), and `phases` among the run's."""
     section = config.get("model", {}).get("lora")
+    if section is not None:
+        quant.check_kind(section.get("quantize", "none"), rank=section.rank)
     if section is None or lora.from_section(section) is None:
         return ()
     if config.algorithm not in LORA_ALGORITHMS:
