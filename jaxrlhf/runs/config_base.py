@@ -79,7 +79,8 @@ def lora(**kw) -> mlc.ConfigDict:
     quantize: QLoRA, "none" | "int8" | "nf4": the frozen base's layer projections stored
     quantised from the first adapter phase on (`jaxrlhf.models.quant`)."""
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # `models.lora.DEFAULT_TARGETS`
-    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases="", quantize="none"), **kw))
+    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases="", quantize="none"),
+                               **kw))
 
 
 def optim(**kw) -> mlc.ConfigDict:
