@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxrlhf.models.attention import IMPLEMENTATIONS
 from jaxrlhf.models.lora import LoraConfig
+from jaxrlhf.models.quant import check_kind
 
 # model_type -> the switches that distinguish the family (None: read from config.json).
 _GEMMA = dict(qkv_bias=None, qk_norm=False, norm_plus_one=True, scale_embeddings=True)
@@ -131,6 +132,7 @@ class ModelConfig:
     cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
     logprobs_head: str = "auto"  # a name in LOGPROBS_HEADS
     lora: LoraConfig | None = None  # adapters on the projections it targets (`jaxrlhf.models.lora`)
+    quantize: str = "none"  # QLoRA: layer projection kernels stored "int8" / "nf4" (`jaxrlhf.models.quant`)
 
     def __post_init__(self):
         if isinstance(self.remat, (bool, np.bool_)):
@@ -140,6 +142,7 @@ class ModelConfig:
                              "(or True/False for 'full'/'none')")
         if not isinstance(self.scan_layers, (bool, np.bool_)):
             raise ValueError(f"scan_layers={self.scan_layers!r}; expected True or False")
+        check_kind(self.quantize, field="quantize")
         if self.model_type not in _FAMILIES:
             raise UnsupportedConfigError(
                 f"model_type={self.model_type!r} is not supported; expected one of "

@@ -260,7 +260,8 @@ def delta_weight(node: Mapping, scale: float) -> jax.Array:
 def merge(config, params: PyTree) -> dict:
     """The base params with every adapter folded into its kernel (`W + s A B`, in the
     kernel's dtype) and the adapters dropped: what a Hugging Face export holds. The model
-    of the merged params is the same one without `lora` (`config.replace(lora=None)`)."""
+    of the merged params is the same one without `lora` (`config.replace(lora=None)`). A
+    QLoRA base (`models.quant`) is de-quantised first: `quant.dequantize_base`."""
     scale = config.lora.scale
     out = without_adapters(params)
     for path, node in _adapted_kernels(params):

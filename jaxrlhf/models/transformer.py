@@ -29,13 +29,12 @@ import numpy as np
 
 from jaxrlhf.models import attention
 from jaxrlhf.models import lora as lora_lib
+from jaxrlhf.models import quant
 from jaxrlhf.models.attention import AttentionMask
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig
-from jaxrlhf.models.lora import LoraConfig
+from jaxrlhf.models.projection import Projection, _adapter, _init, _rows_matmul
 
 HEADS = ("lm", "score", "lm_value")
-
-_init = nn.initializers.normal(stddev=0.02)
 
 
 class KVCache(NamedTuple):
@@ -150,67 +149,6 @@ def _norm(c: ModelConfig, name: str, axis: str = "norm") -> RMSNorm:
     return RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), axis, c.norm_plus_one, name=name)
 
 
-def _rows_matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
-    """`[..., K] @ [K, M] -> [..., M]` as one 2-D matmul over the flattened leading axes.
-
-    With [B, L] leading axes the weight gradient contracts two axes, which XLA:CPU sends to
-    a slower transposing GEMM; flattened, it is one contraction (train step 0.24 -> 0.20 s).
-    """
-    lead = x_NxK.shape[:-1]
-    return (x_NxK.reshape(-1, x_NxK.shape[-1]) @ w_KxM).reshape(*lead, w_KxM.shape[-1])
-
-
-class Projection(nn.Module):
-    """A linear map whose kernel has named axes, `shape = in_shape + out_shape`.
-
-    The input's trailing `len(shape) - n_out` axes are contracted with the kernel's leading
-    ones (`BLD,DNH->BLNH`, `BLNH,NHD->BLD`), computed as one 2-D matmul on merged axes:
-    a multi-axis einsum let XLA:CPU transpose the kernel on every decode step.
-    """
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    bias_axes: tuple[str | None, ...] | None = None
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-    n_out: int | None = None  # number of output axes; default: all but the first
-    lora: LoraConfig | None = None  # this projection's adapter, when the model's LoRA targets it
-
-    @nn.compact
-    def __call__(self, x):
-        w = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype)
-        n_out = len(self.shape) - 1 if self.n_out is None else self.n_out
-        n_in = len(self.shape) - n_out
-        in_shape, out_shape = self.shape[:n_in], self.shape[n_in:]
-        if tuple(x.shape[-n_in:]) != tuple(in_shape):
-            raise ValueError(f"{self.name}: input trailing shape {x.shape[-n_in:]} != kernel {in_shape}")
-        lead = x.shape[:-n_in]
-        k = int(np.prod(in_shape))
-        x_NxK = x.astype(self.dtype).reshape(*lead, k)
-        y = _rows_matmul(x_NxK, w.astype(self.dtype).reshape(k, -1))
-        # LoRA (`models.lora`): + s·(x A) B, only where the params hold the adapter (the
-        # same params without it are the base model). B = 0 adds exactly 0.
-        if self.lora is not None and (self.is_initializing() or self.has_variable("params", "lora_a")):
-            r = self.lora.rank
-            a = self.param("lora_a", nn.with_logical_partitioning(lora_lib.init_a, self.axes[:n_in] + (None,)),
-                           (*in_shape, r), jnp.float32)
-            b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, (None,) + self.axes[n_in:]),
-                           (r, *out_shape), jnp.float32)
-            x_NxR = _rows_matmul(x_NxK, a.astype(self.dtype).reshape(k, r))
-            y = y + self.lora.scale * _rows_matmul(x_NxR, b.astype(self.dtype).reshape(r, -1))
-        y = y.reshape(*lead, *out_shape)
-        if self.bias_axes is not None:
-            b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
-                           self.shape[-len(self.bias_axes):], self.param_dtype)
-            y = y + b.astype(self.dtype)
-        return y
-
-
-def _adapter(config: ModelConfig, path: str) -> LoraConfig | None:
-    """The projection at `path` ("self_attn/q_proj", "lm_head")'s adapter config, if any."""
-    return config.lora if config.lora is not None and config.lora.adapts(path) else None
-
-
 def _rotate(x_BxLxNxH, cos_BxLxH, sin_BxLxH):
     half = x_BxLxNxH.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxLxNxH[..., half:], x_BxLxNxH[..., :half]], axis=-1)
@@ -233,8 +171,8 @@ class Attention(nn.Module):
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         tail = slice(None) if queries is None else slice(-queries, None)
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
-        proj = lambda name, shape, axes, bias, n_out=None: Projection(shape, axes, bias, dt, pdt, n_out,
-                                                                      _adapter(c, f"self_attn/{name}"), name=name)
+        proj = lambda name, shape, axes, bias, n_out=None: Projection(
+            shape, axes, bias, dt, pdt, n_out, _adapter(c, f"self_attn/{name}"), c.quantize, name=name)
         q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD[:, tail])
         key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
@@ -281,7 +219,7 @@ class MLP(nn.Module):
         d, f = c.hidden_size, c.intermediate_size
         bias = lambda ax: (ax,) if c.mlp_bias else None
         proj = lambda name, shape, axes, b: Projection(shape, axes, b, dt, pdt, lora=_adapter(c, f"mlp/{name}"),
-                                                       name=name)
+                                                       quantize=c.quantize, name=name)
         gate = proj("gate_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         up = proj("up_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         act = _ACTIVATIONS[c.hidden_act]
@@ -403,11 +341,13 @@ class Transformer(nn.Module):
                          name="embed_tokens")
         x = embed(input_ids_BxL)
         if c.scan_layers:
-            # Params without adapters are the base model (the reference): their shapes are
-            # checked against a stack without them.
-            plain = c.lora is not None and not self.is_initializing() and not lora_lib.has_adapters(
-                self.get_variable("params", "layers"))
-            layers = self.param("layers", _init_stacked_layers, c.replace(lora=None) if plain else c)
+            # Params without adapters are the base model (the reference), float ones the model
+            # before QLoRA quantised it: their shapes are checked against a stack like them.
+            stored = None if self.is_initializing() else self.get_variable("params", "layers")
+            like = c if stored is None else c.replace(
+                lora=c.lora if lora_lib.has_adapters(stored) else None,
+                quantize=c.quantize if quant.has_quantized(stored) else "none")
+            layers = self.param("layers", _init_stacked_layers, like)
             x, new_cache = scan_layers(c, layers, _embed_scaled(c, x), ropes, attn_mask, cache, cache_index,
                                        last_position_only=last_position_only)
         else:

@@ -81,9 +81,12 @@ def lora(**kw) -> mlc.ConfigDict:
     sqrt(r) with `rslora`). targets: comma-separated regexes searched in the projection paths
     ("self_attn/q_proj", ..., "mlp/down_proj", "lm_head" when untied). phases: the phases
     that train adapters, comma-separated ("" = all; "grpo": the SFT warm start trains all
-    weights); each starts with fresh ones, those of the phase before merged."""
+    weights); each starts with fresh ones, those of the phase before merged. quantize:
+    QLoRA, "none" | "int8" | "nf4": the frozen base's layer projections stored quantised
+    from the first adapter phase on (`jaxrlhf.models.quant`)."""
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # `models.lora.DEFAULT_TARGETS`
-    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases=""), **kw))
+    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases="", quantize="none"),
+                               **kw))
 
 
 def optim(**kw) -> mlc.ConfigDict:

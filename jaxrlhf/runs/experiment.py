@@ -52,7 +52,7 @@ from pathlib import Path
 import jax
 
 from jaxrlhf import runlog
-from jaxrlhf.models import Transformer, lora, save_pretrained
+from jaxrlhf.models import lora, quant, save_pretrained
 from jaxrlhf.runs import phases, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter
@@ -90,24 +90,28 @@ def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | Non
     return text
 
 
-def _export_merged(model, params, path: Path, tokenizer=None) -> Transformer:
-    """`model` (any head) as a Hugging Face folder at `path`, LoRA adapters merged into the
-    weights (`lora.merge`); returns the model without adapters it was written as."""
-    plain = Transformer(model.config.replace(lora=None), head=model.head)
+def _export_merged(model, params, path: Path, tokenizer=None):
+    """`model` (any head) as a Hugging Face folder at `path`: a QLoRA base de-quantised
+    (`quant.dequantize_base`), LoRA adapters merged into the weights (`lora.merge`).
+    Returns (the float model without adapters it was written as, the de-quantised params)."""
+    plain = quant.float_model(model)
+    if quant.has_quantized(params):
+        params = quant.dequantize_base(model, params)
     merged = lora.merge(model.config, params) if lora.has_adapters(params) else params
     save_pretrained(plain, merged, path, tokenizer=tokenizer, overwrite=True)
-    return plain
+    return plain, params
 
 
 def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None) -> None:
     """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
     weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
     `base_path` (the checkpoint the phase started from), or else (an SFT warm start changed
-    it) the base written to `path/peft/base`."""
-    plain = _export_merged(model, params, path, tokenizer)
+    it, or QLoRA quantised it) the base written to `path/peft/base`, de-quantised."""
+    quantized = quant.has_quantized(params)
+    plain, params = _export_merged(model, params, path, tokenizer)
     if not lora.has_adapters(params):
         return
-    if not base_path:
+    if not base_path or quantized:
         base_path = str(path / "peft" / "base")
         save_pretrained(plain, lora.without_adapters(params), base_path, tokenizer=tokenizer, overwrite=True)
     lora.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)

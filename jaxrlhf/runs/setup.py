@@ -8,7 +8,7 @@ import jax
 
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.experience import SamplingConfig
-from jaxrlhf.models import ModelConfig, Transformer, count_params, load_pretrained, lora, random_init
+from jaxrlhf.models import ModelConfig, Transformer, count_params, load_pretrained, lora, quant, random_init
 from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.parallel.loading import load_pretrained_sharded
 
@@ -59,7 +59,7 @@ def lora_model(cfg, model: Transformer) -> Transformer:
     lcfg = lora.from_section(cfg.lora) if "lora" in cfg else None
     if lcfg is None:
         return model
-    config = model.config.replace(lora=lcfg)
+    config = model.config.replace(lora=lcfg, quantize=quant.check_kind(cfg.lora.get("quantize", "none")))
     lora.check_targets(config)
     return Transformer(config, head=model.head)
 
@@ -68,14 +68,21 @@ def start_adapters(model: Transformer, params, *, fresh: bool, seed: int, placem
     """Before a policy phase of a LoRA run: the adapters of the phase before folded into
     the base (`lora.merge`), then, if `fresh`, new ones added (`lora.add_adapters`, B = 0,
     drawn from `seed`), so the phase starts from — and its reference is — the policy it is
-    given. Params of a model without `lora` are returned as they are."""
+    given. With QLoRA (`model.config.quantize`) the base is quantised before the adapters
+    are added (de-quantised to merge, then quantised again, in a later adapter phase).
+    Params of a model without `lora` are returned as they are."""
     if model.config.lora is None:
         return params
     if lora.has_adapters(params):
-        params = lora.merge(model.config, params)
+        params = lora.merge(model.config, quant.dequantize_base(model, params))
     if not fresh:
         return params if placement is None else placement.place(
-            params, lora.without_adapters(placement.param_shardings(model)))
+            params, placement.param_shardings(quant.float_model(model)))
+    if model.config.quantize != "none":
+        nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**20
+        before, params = nbytes(params), quant.quantize_base(model, params)
+        log.info("QLoRA: base params %.2f MiB -> %.2f MiB (layer projections as %s)", before, nbytes(params),
+                 model.config.quantize)
     params = lora.add_adapters(model, params, jax.random.key(seed))
     log.info("LoRA rank %d on %s: %.3fM trained parameters of %.2fM", model.config.lora.rank,
              ",".join(model.config.lora.targets), count_params(lora.adapters(params)) / 1e6,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jaxrlhf.models import lora
+from jaxrlhf.models import lora, quant
 from jaxrlhf.runs.policy_pairs import PolicyPairsConfig
 from jaxrlhf.runs.stopping import run_phases
 
@@ -132,6 +132,8 @@ def lora_phases(config) -> tuple[str, ...]:
     a rank >= 0, valid target patterns, and `phases` among the run's ("" = all of them).
     A reward-model phase and a PPO critic train their new head beside the adapters."""
     section = config.get("model", {}).get("lora")
+    if section is not None:
+        quant.check_kind(section.get("quantize", "none"), rank=section.rank)
     if section is None or lora.from_section(section) is None:
         return ()
     available = run_phases(config)
