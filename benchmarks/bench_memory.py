@@ -18,13 +18,17 @@ Parts:
          fsdp mesh of XLA:CPU devices: the per-device plan for 8 accelerators, with the
          scanned, rematerialised stack (the setting for that size).
 
-  lora   full fine-tuning against LoRA rank 16 (`models.lora`) for the GRPO step of a
-         Qwen2.5-0.5B shape (one device, B = 8, P = 256) and of a Llama-3-8B shape
+  lora   full fine-tuning against LoRA rank 16 (`models.lora`, and "qlora": the same on an
+         NF4 base, `models.quant`) for the GRPO and PPO steps
+         of a Qwen2.5-0.5B shape (one device, B = 8, P = 256) and of a Llama-3-8B shape
          (`fsdp=8`, B = 8, P = 512), bf16 compute, scanned and rematerialised stacks.
-         Full: float32 master weights + AdamW, the reference a separate bf16 copy. LoRA:
-         the base frozen in bf16, adapters and their AdamW moments float32, the reference
-         the same base arrays without the adapters. Per device: args (params, optimizer
-         state, frozen models, batch) + temp, and the base's bf16 weights for scale.
+         Full: float32 master weights + AdamW for each trained role (PPO: actor and a
+         separate critic), the reference (and PPO's reward model) a separate bf16 copy.
+         LoRA: one base frozen in bf16; the actor's adapters, and PPO's critic and reward
+         model as adapters + score head on that base (`lora.is_part`), float32 with their
+         AdamW moments; the reference is the base without the adapters. Per device: args
+         (params, optimizer state, frozen models, batch) + temp, and the base's bf16
+         weights for scale.
 
 Variants: "dense" (before), "default" (`auto` everywhere) and "scan+remat" (the default
 plus `scan_layers=True, remat="full"`).
@@ -205,22 +209,33 @@ def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _frozen_bf16(params):
+    """`params` with every float leaf but the adapters in bf16 (a QLoRA base's codes stay
+    uint8, its scales float32)."""
+    def cast(path, x):
+        keep = path[-1].key in lora.ADAPTER_KEYS + ("scales",) or not jnp.issubdtype(x.dtype, jnp.floating)
+        return x if keep else jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _lora_config(shape, mode) -> ModelConfig:
+    """The model of `mode`: "full", "lora" (rank 16) or "qlora" (rank 16 on an NF4 base)."""
+    config = ModelConfig(**shape, dtype="bfloat16", scan_layers=True, remat="full")
+    if mode != "full":
+        config = config.replace(lora=lora.LoraConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK))
+    return config.replace(quantize="nf4") if mode == "qlora" else config
+
+
 def _lora_grpo_inputs(shape, mode, b, p, t):
     """The GRPO step's abstract inputs, full fine-tuning or LoRA (see the module docstring):
     (step, (state, batch, rng), model, base bf16 params)."""
-    config = ModelConfig(**shape, dtype="bfloat16", scan_layers=True, remat="full")
-    if mode == "lora":
-        config = config.replace(lora=lora.LoraConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK))
-    model = Transformer(config)
+    model = Transformer(_lora_config(shape, mode))
     params = abstract_params(model)
-    bf16 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), tree)
-    base = bf16(lora.without_adapters(params))
+    base = abstract_params(Transformer(_lora_config(shape, "full")), jnp.bfloat16)
     tx = optax.adamw(1e-6)
     cfg = grpo.GRPOConfig(sampling=SamplingConfig(max_new_tokens=t, num_samples=b), beta=0.04)
-    if mode == "lora":  # base frozen in bf16, adapters float32; the reference is the base
-        frozen_bf16 = lambda path, x: x if path[-1].key in lora.ADAPTER_KEYS else jax.ShapeDtypeStruct(x.shape,
-                                                                                                        jnp.bfloat16)
-        state = jax.eval_shape(lambda w: grpo.init_state(w, tx), jax.tree_util.tree_map_with_path(frozen_bf16, params))
+    if mode != "full":  # base frozen in bf16 (or NF4), adapters float32; the reference is the base
+        state = jax.eval_shape(lambda w: grpo.init_state(w, tx), _frozen_bf16(params))
     else:  # float32 master weights, the reference a separate bf16 copy
         state = jax.eval_shape(lambda w, r: grpo.init_state(w, tx, ref_params=r), params, base)
     f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
@@ -229,33 +244,69 @@ def _lora_grpo_inputs(shape, mode, b, p, t):
     return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0))), model, base
 
 
+def _lora_ppo_inputs(shape, mode, b, p, t):
+    """The PPO step's abstract inputs, full fine-tuning or LoRA (module docstring):
+    (step, (state, batch, rng), {role: model}, base bf16 params)."""
+    config = _lora_config(shape, mode)
+    actor, critic = Transformer(config, head="lm"), Transformer(config, head="score")
+    actor_p, critic_p = abstract_params(actor), abstract_params(critic)
+    bf16 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), tree)
+    base = abstract_params(Transformer(_lora_config(shape, "full")), jnp.bfloat16)
+    tx = optax.adamw(1e-6)
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=t), num_ppo_epochs=1, num_minibatches=1)
+    if mode != "full":  # one bf16 (or NF4) base; the critic and reward model are adapters + score head on it
+        part = lora.trainable(critic_p)
+        state = jax.eval_shape(
+            lambda a, c, rm: ppo.init_state(cfg, actor, a, tx, critic_model=critic, critic_params=c, tx_critic=tx,
+                                            reward=(critic, rm)),
+            _frozen_bf16(actor_p), part, part)
+    else:  # float32 actor and critic trained; reference and reward model frozen bf16 copies
+        state = jax.eval_shape(
+            lambda a, c, r, rm: ppo.init_state(cfg, actor, a, tx, critic_model=critic, critic_params=c, tx_critic=tx,
+                                               ref_params=r, reward=critic, reward_params=rm),
+            actor_p, critic_p, base, bf16(critic_p))
+    f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
+    batch = dict(sequences=seq(b, p + t), attention_mask=seq(b, p + t, jnp.bool_), response_mask=seq(b, t, jnp.bool_),
+                 old_logp=f32(), old_values=f32(), advantages=f32(), returns=f32())
+    step = lambda state, batch, rng: ppo.update(state, batch, rng, actor_model=actor, critic_model=critic,
+                                                tx_actor=tx, tx_critic=tx, cfg=cfg)
+    roles = {"actor": actor, "critic": critic, "ref_params": actor, "reward_params": critic}
+    return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0))), roles, base
+
+
 def part_lora(lengths, rows_per_device=8):
-    """Full fine-tuning vs LoRA: per-device args + temp of the GRPO step (module docstring)."""
+    """Full fine-tuning vs LoRA: per-device args + temp of the GRPO and PPO steps (module
+    docstring)."""
     from jaxrlhf import parallel
 
     rows = []
     for name, shape, p, devices in [("qwen2.5-0.5b", QWEN_05B, 256, 1), ("llama-3-8b", LLAMA_8B, 512, 8)]:
         mesh = parallel.make_mesh("fsdp=8") if devices == 8 else None
-        for t in lengths:
-            for mode in ("full", "lora"):
-                step, (state, batch, rng), model, base = _lora_grpo_inputs(shape, mode, rows_per_device, p, t)
-                t0 = time.perf_counter()
-                if mesh is None:
-                    compiled = jax.jit(step).lower(state, batch, rng).compile()
-                else:
-                    sh = parallel.param_shardings(model, mesh)
-                    st_sh = parallel.state_shardings(state, roles={"policy": sh, "ref_params": sh})
-                    compiled = parallel.jit_step(step, mesh=mesh, state_shardings=st_sh).lower(
-                        state, batch, rng).compile()
-                m = compiled.memory_analysis()
-                trained = lora.trainable(state.policy.params)
-                rows.append(dict(part="lora", model=name, algorithm="grpo", T=t, variant=mode, devices=devices,
-                                 args_mib=round(m.argument_size_in_bytes / MiB, 1),
-                                 temp_mib=round(m.temp_size_in_bytes / MiB, 1),
-                                 base_bf16_mib=round(_nbytes(base) / devices / MiB, 1),
-                                 trained_params=sum(x.size for x in jax.tree.leaves(trained)),
-                                 compile_s=round(time.perf_counter() - t0, 1)))
-                print(json.dumps(rows[-1]), flush=True)
+        for algorithm in ("grpo", "ppo"):
+            for t in lengths:
+                for mode in ("full", "lora", "qlora"):
+                    if algorithm == "grpo":
+                        step, args, model, base = _lora_grpo_inputs(shape, mode, rows_per_device, p, t)
+                        roles = {"policy": model, "ref_params": model}
+                    else:
+                        step, args, roles, base = _lora_ppo_inputs(shape, mode, rows_per_device, p, t)
+                    t0 = time.perf_counter()
+                    if mesh is None:
+                        compiled = jax.jit(step).lower(*args).compile()
+                    else:
+                        sh = {k: parallel.param_shardings(m, mesh) for k, m in roles.items()}
+                        st_sh = parallel.state_shardings(args[0], roles=sh)
+                        compiled = parallel.jit_step(step, mesh=mesh, state_shardings=st_sh).lower(*args).compile()
+                    m = compiled.memory_analysis()
+                    trained = [s.params for s in (getattr(args[0], f, None) for f in ("policy", "actor", "critic"))
+                               if s is not None]
+                    rows.append(dict(part="lora", model=name, algorithm=algorithm, T=t, variant=mode, devices=devices,
+                                     args_mib=round(m.argument_size_in_bytes / MiB, 1),
+                                     temp_mib=round(m.temp_size_in_bytes / MiB, 1),
+                                     base_bf16_mib=round(_nbytes(base) / devices / MiB, 1),
+                                     trained_params=sum(x.size for t in trained for x in jax.tree.leaves(lora.trainable(t))),
+                                     compile_s=round(time.perf_counter() - t0, 1)))
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
