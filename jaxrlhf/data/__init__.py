@@ -7,6 +7,8 @@
     idx = next(it)
     batch = {k: v[idx] for k, v in train.items()}  # tokens, input_mask, loss_mask, ...
 
+`data.read_mixture` reads a task's rows from a spec of files and TFDS datasets mixed by
+weight (`data.sources`); `data.chat` locates the assistant turns in a chat template's text.
 `data.tfds` (TensorFlow Datasets) is not imported here: import `jaxrlhf.data.tfds` to use it.
 """
 
@@ -40,10 +42,13 @@ from jaxrlhf.data.records import (
     DataError,
     PairData,
     PromptData,
+    SFTData,
     SkipReport,
     pairs_from_records,
     prompts_from_records,
+    sft_from_records,
 )
+from jaxrlhf.data.sources import parse_spec, read_mixture
 from jaxrlhf.data.rewards import exact_match, exact_match_reward, token_match_fraction, token_match_reward
 from jaxrlhf.data.text_rewards import (
     answer_format_reward,
@@ -63,7 +68,8 @@ __all__ = [
     "prompt_response_batch", "right_pad", "sft_batch",
     "BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "CharTokenizer",
     "read_preference_pairs", "read_prompts", "read_records",
-    "DataError", "PairData", "PromptData", "SkipReport", "pairs_from_records", "prompts_from_records",
+    "DataError", "PairData", "PromptData", "SFTData", "SkipReport", "pairs_from_records", "prompts_from_records",
+    "sft_from_records", "parse_spec", "read_mixture",
     "exact_match", "exact_match_reward", "token_match_fraction", "token_match_reward",
     "answer_format_reward", "decode_responses", "exact_match_text", "extract_final_answer", "final_answer_reward",
     "normalize_number", "make_word_problems",

@@ -94,13 +94,16 @@ def sft_batch(
     prompt_len: int,
     response_len: int,
     pad_id: int = PAD_ID,
-    eos_id: int = EOS_ID,
+    eos_id: int | None = EOS_ID,
     truncate: bool = False,
+    response_loss: Seqs | None = None,
 ) -> dict[str, np.ndarray]:
     """`prompt_response_batch` with response = answer ⧺ EOS, plus the joined sequence:
 
       tokens_BxL, input_mask_BxL: prompt ⧺ response, L = P + T (real tokens contiguous);
-      loss_mask_BxL: True exactly on response tokens (EOS included), never on the prompt.
+      loss_mask_BxL: True exactly on response tokens (EOS included), never on the prompt;
+        with `response_loss` (one 0/1 flag per answer token, e.g. a chat's assistant turns
+        only, `eos_id=None`) only on the flagged ones.
 
     The loss at position i predicts tokens[:, i] from logits at i - 1 (SPEC §2): apply
     `loss_mask[:, 1:]` to the logits `[:, :-1]`.
@@ -110,8 +113,10 @@ def sft_batch(
         eos_id=eos_id, truncate=truncate)
     batch["tokens"] = np.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1)
     batch["input_mask"] = np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
-    batch["loss_mask"] = np.concatenate(
-        [np.zeros_like(batch["prompt_mask"]), batch["response_mask"]], axis=1)
+    loss_BxT = batch["response_mask"]
+    if response_loss is not None:
+        loss_BxT = loss_BxT & right_pad(response_loss, response_len, pad_id=0, truncate=truncate)[0].astype(bool)
+    batch["loss_mask"] = np.concatenate([np.zeros_like(batch["prompt_mask"]), loss_BxT], axis=1)
     return batch
 
 

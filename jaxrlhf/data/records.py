@@ -1,4 +1,5 @@
-"""Validating and tokenizing dict records (from JSONL, Parquet or TFDS) into prompt data.
+"""Validating and tokenizing dict records (from JSONL, Parquet or TFDS) into prompt data,
+SFT examples (`sft_from_records`) and preference pairs (`pairs_from_records`).
 
 Every problem with a record becomes a `DataError` that names where it is (`file:line`),
 which field, and why. With `on_error="skip"` bad records are dropped instead and counted
@@ -12,9 +13,11 @@ import dataclasses
 import logging
 from typing import Any, Iterable, NamedTuple
 
+from jaxrlhf.data import chat
 from jaxrlhf.data.char_tokenizer import CharTokenizer
 
-REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_key", "wrong_type", "empty", "untokenizable", "too_long")
+REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_key", "wrong_type", "empty", "untokenizable",
+           "too_long", "no_assistant_turn", "bad_template")
 _MAX_KEPT_MESSAGES = 5
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,11 @@ class SkipReport:
         if len(self.messages) < _MAX_KEPT_MESSAGES:
             self.messages.append(str(error))
 
+    def merge(self, other: "SkipReport") -> None:
+        """Adds `other`'s counts and (up to the kept few) messages: one report of several sources."""
+        self.counts.update(other.counts)
+        self.messages.extend(other.messages[:max(0, _MAX_KEPT_MESSAGES - len(self.messages))])
+
     def __str__(self) -> str:
         if not self.total:
             return "no records skipped"
@@ -66,7 +74,9 @@ class PromptData(NamedTuple):
 
 
 class PairData(NamedTuple):
-    """Kept preference pairs, column-wise; response ids carry no special tokens (no EOS)."""
+    """Kept preference pairs, column-wise. Plain-text responses carry no special tokens (no
+    EOS: the caller appends it); with a chat template a response is the template's rendering
+    of the assistant turn (`chat.response_text`), its end-of-turn marker included."""
 
     prompt_text: list[str]
     prompt_ids: list[list[int]]
@@ -74,6 +84,21 @@ class PairData(NamedTuple):
     chosen_ids: list[list[int]]
     rejected_text: list[str]
     rejected_ids: list[list[int]]
+    location: list[str]
+    skipped: SkipReport
+
+
+class SFTData(NamedTuple):
+    """Kept SFT examples, column-wise: the prompt (everything before the first assistant
+    turn, or the `prompt` field) and the rest of the example as response ids with a
+    per-token `loss_mask` (True on the assistant turns / the completion and its EOS);
+    `answer` the first assistant turn's content / the completion, for held-out evaluation."""
+
+    prompt_text: list[str]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    loss_mask: list[list[bool]]
+    answer: list[str]
     location: list[str]
     skipped: SkipReport
 
@@ -123,16 +148,29 @@ def _messages(value: Any, key: str, location: str) -> list[dict[str, str]]:
     return value
 
 
+def _chat(value, key, location, system_prompt) -> list[dict[str, str]]:
+    """A prompt field as chat messages: a string becomes one user turn; the system prompt
+    goes first unless the messages have their own."""
+    messages = [{"role": "user", "content": _text(value, key, location)}] if isinstance(value, str) else list(
+        _messages(value, key, location))
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _render(fn, *args, key, location):
+    """`fn(*args)` of `chat`, its ValueError (or the template's own error) a DataError."""
+    try:
+        return fn(*args)
+    except Exception as e:  # jinja2's TemplateError, or chat's ValueError
+        raise DataError(location, key, "bad_template", f"chat template: {e}") from None
+
+
 def _prompt(tokenizer, value, key, location, *, chat_template, system_prompt, max_tokens):
     """(text, ids) of one prompt, chat-templated if asked, checked against `max_tokens`."""
     if chat_template:
-        if isinstance(value, str):
-            messages = [{"role": "user", "content": _text(value, key, location)}]
-        else:
-            messages = list(_messages(value, key, location))
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        messages = _chat(value, key, location, system_prompt)
+        text = _render(chat.render, tokenizer, messages, True, key=key, location=location)
         ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
     else:
         if isinstance(value, list):
@@ -221,6 +259,33 @@ def prompts_from_records(
     return PromptData(**{f: cols[f] for f in PromptData._fields if f != "skipped"}, skipped=report)
 
 
+def _response(tokenizer, value, key, location, *, prompt, chat_template, max_tokens):
+    """(text, ids) of one response: plain text (no special tokens), or with a chat template
+    the template's rendering of it as the assistant turn(s) after `prompt` (messages)."""
+    if chat_template:
+        turns = [{"role": "assistant", "content": _text(value, key, location)}] if isinstance(value, str) else (
+            _messages(value, key, location))
+        text = _render(chat.response_text, tokenizer, prompt, turns, key=key, location=location)
+    else:
+        if isinstance(value, list):
+            raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
+        text = _text(value, key, location)
+    ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
+    _check_len(ids, max_tokens, key, location, "max_response_tokens")
+    return text, ids
+
+
+def _implicit_prompt(record, chosen_key, rejected_key, location):
+    """TRL's implicit-prompt pair: `chosen` and `rejected` whole chats sharing every turn
+    but their last (the assistant's) -> (prompt messages, chosen turn, rejected turn)."""
+    chosen = _messages(_field(record, chosen_key, location), chosen_key, location)
+    rejected = _messages(_field(record, rejected_key, location), rejected_key, location)
+    if len(chosen) < 2 or chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant":
+        raise DataError(location, rejected_key, "wrong_type", f"without a prompt field, {chosen_key!r} and "
+                        f"{rejected_key!r} must be chats that share every turn but a last assistant turn")
+    return chosen[:-1], chosen[-1:], rejected[-1:]
+
+
 def pairs_from_records(
     records: Records,
     tokenizer: Any,
@@ -235,19 +300,98 @@ def pairs_from_records(
     on_error: str = "raise",
     source: str = "records",
 ) -> PairData:
-    """Validates and tokenizes preference-pair records (prompt, chosen, rejected strings)."""
+    """Validates and tokenizes preference-pair records, in TRL's layouts: `prompt`,
+    `chosen`, `rejected` strings; with `chat_template=True` also message lists (the
+    prompt's turns, and `chosen` / `rejected` the assistant turn(s) after it), or, without
+    a prompt field, `chosen` / `rejected` as whole chats differing in their last turn."""
     _check_options(on_error, chat_template, tokenizer)
 
     def parse(record, location):
-        text, ids = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
-                            chat_template=chat_template, system_prompt=system_prompt, max_tokens=max_prompt_tokens)
+        implicit = chat_template and isinstance(record, dict) and prompt_key not in record and isinstance(
+            record.get(chosen_key), list)
+        if implicit:
+            turns, chosen, rejected = _implicit_prompt(record, chosen_key, rejected_key, location)
+            messages = _chat(turns, chosen_key, location, system_prompt)
+            text = _render(chat.render, tokenizer, messages, True, key=chosen_key, location=location)
+            ids = _encode_or_error(tokenizer, text, chosen_key, location, add_special_tokens=False)
+            _check_len(ids, max_prompt_tokens, chosen_key, location, "max_prompt_tokens")
+            values = {chosen_key: chosen, rejected_key: rejected}
+        else:
+            value = _field(record, prompt_key, location)
+            text, ids = _prompt(tokenizer, value, prompt_key, location, chat_template=chat_template,
+                                system_prompt=system_prompt, max_tokens=max_prompt_tokens)
+            messages = _chat(value, prompt_key, location, system_prompt) if chat_template else None
+            values = {key: _field(record, key, location) for key in (chosen_key, rejected_key)}
         row = dict(prompt_text=text, prompt_ids=ids, location=location)
         for name, key in (("chosen", chosen_key), ("rejected", rejected_key)):
-            resp = _text(_field(record, key, location), key, location)
-            resp_ids = _encode_or_error(tokenizer, resp, key, location, add_special_tokens=False)
-            _check_len(resp_ids, max_response_tokens, key, location, "max_response_tokens")
+            resp, resp_ids = _response(tokenizer, values[key], key, location, prompt=messages,
+                                       chat_template=chat_template, max_tokens=max_response_tokens)
             row.update({f"{name}_text": resp, f"{name}_ids": resp_ids})
         return row
 
     cols, report = _collect(records, parse, on_error=on_error, source=source)
     return PairData(**{f: cols[f] for f in PairData._fields if f != "skipped"}, skipped=report)
+
+
+def sft_from_records(
+    records: Records,
+    tokenizer: Any,
+    *,
+    messages_key: str = "messages",
+    prompt_key: str = "prompt",
+    completion_key: str = "completion",
+    max_prompt_tokens: int | None = None,
+    max_response_tokens: int | None = None,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    eos_id: int | None = None,
+    on_error: str = "raise",
+    source: str = "records",
+) -> SFTData:
+    """Validates and tokenizes SFT records, in TRL's layouts: a `messages` chat (needs
+    `chat_template=True`), learnt on its assistant turns only (`chat.turn_pieces`: each
+    piece tokenized on its own, so the ids are the prompt's as the sampler sees it followed
+    by what the model must write); or `prompt` / `completion` (strings, or with a chat
+    template message lists), learnt on the completion: plain text gets `eos_id` appended,
+    templated text ends with the template's end-of-turn marker."""
+    _check_options(on_error, chat_template, tokenizer)
+
+    def parse(record, location):
+        if isinstance(record, dict) and messages_key in record:
+            if not chat_template:
+                raise DataError(location, messages_key, "wrong_type", "a messages chat needs chat_template=True")
+            messages = _chat(_field(record, messages_key, location), messages_key, location, system_prompt)
+            key = messages_key
+        else:
+            key = completion_key
+            prompt, completion = (_field(record, k, location) for k in (prompt_key, completion_key))
+            if not chat_template:
+                text, ids = _prompt(tokenizer, prompt, prompt_key, location, chat_template=False,
+                                    system_prompt=None, max_tokens=max_prompt_tokens)
+                answer = _text(completion, completion_key, location)
+                resp = _encode_or_error(tokenizer, answer, completion_key, location, add_special_tokens=False)
+                resp += [] if eos_id is None else [eos_id]
+                _check_len(resp, max_response_tokens, completion_key, location, "max_response_tokens")
+                return dict(prompt_text=text, prompt_ids=ids, response_ids=resp, loss_mask=[True] * len(resp),
+                            answer=answer, location=location)
+            turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+            messages = _chat(prompt, prompt_key, location, system_prompt) + _messages(turns, completion_key, location)
+        pieces = _render(chat.turn_pieces, tokenizer, messages, key=key, location=location)
+        first = next((i for i, (_, assistant) in enumerate(pieces) if assistant), None)
+        if first is None:
+            raise DataError(location, key, "no_assistant_turn", "has no assistant turn to learn")
+        text = "".join(t for t, _ in pieces[:first])
+        ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
+        _check_len(ids, max_prompt_tokens, key, location, "max_prompt_tokens")
+        resp, loss = [], []
+        for piece, assistant in pieces[first:]:
+            piece_ids = _encode_or_error(tokenizer, piece, key, location, add_special_tokens=False)
+            resp += piece_ids
+            loss += [assistant] * len(piece_ids)
+        _check_len(resp, max_response_tokens, key, location, "max_response_tokens")
+        answer = next(m["content"] for m in messages if m["role"] == "assistant")
+        return dict(prompt_text=text, prompt_ids=ids, response_ids=resp, loss_mask=loss, answer=answer,
+                    location=location)
+
+    cols, report = _collect(records, parse, on_error=on_error, source=source)
+    return SFTData(**{f: cols[f] for f in SFTData._fields if f != "skipped"}, skipped=report)

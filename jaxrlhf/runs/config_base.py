@@ -34,14 +34,21 @@ def task(**kw) -> mlc.ConfigDict:
 
 
 def jsonl_task(**kw) -> mlc.ConfigDict:
-    """Prompts + reference answers from local JSONL/Parquet files (GSM8K-style fields).
-    `stop_tokens`: more tokens that end a response besides the tokenizer's EOS and the
-    checkpoint's `generation_config.json` `eos_token_id`s (token strings or ids,
-    comma-separated, e.g. "<|endoftext|>"; `tasks.text_stop_ids`)."""
+    """Rows from local JSONL/Parquet files and TFDS datasets (`tasks.jsonl`).
+    `kind`: "prompts" (GSM8K-style prompt + reference answer, for GRPO/PPO), "sft"
+    (`messages_key` chats learnt on their assistant turns, or `prompt_key` / `completion_key`
+    pairs) or "pairs" (`prompt_key` / `chosen_key` / `rejected_key`, strings or message
+    lists, for DPO and reward models). `path` / `test_path`: a source spec,
+    "a.jsonl:0.7,tfds:name/split:0.3" (`data.sources`: weights optional, TFDS datasets read
+    from `data_dir`, mixed with `seed`). `stop_tokens`: more tokens that end a response
+    besides the tokenizer's EOS and the checkpoint's `generation_config.json`
+    `eos_token_id`s (token strings or ids, comma-separated, e.g. "<|endoftext|>";
+    `tasks.text_stop_ids`)."""
     return mlc.ConfigDict(dict(dict(
-        name="jsonl", path="", test_path="", tokenizer_path="", prompt_key="question", answer_key="answer",
-        max_prompt_tokens=256, max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip",
-        stop_tokens=""), **kw))
+        name="jsonl", kind="prompts", path="", test_path="", data_dir="", seed=0, tokenizer_path="",
+        prompt_key="question", answer_key="answer", messages_key="messages", completion_key="completion",
+        chosen_key="chosen", rejected_key="rejected", max_prompt_tokens=256, max_response_tokens=512,
+        max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip", stop_tokens=""), **kw))
 
 
 def word_problems_task(**kw) -> mlc.ConfigDict:

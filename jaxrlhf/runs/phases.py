@@ -95,6 +95,9 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
               eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
     """Masked cross-entropy on the task's SFT arrays; returns `(params, last_metrics)`."""
     placement = placement or Placement.local()
+    if task.sft is None:
+        raise ValueError(f"task {task.name!r} has no SFT examples: for files set task.kind='sft' (rows of messages, "
+                         "or prompt and completion), or sft.steps=0")
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     arrays = {k: task.sft[k] for k in sft.BATCH_KEYS}
     batches = _batches(arrays, cfg.batch_size, cfg.seed, placement, "sft.batch_size")
@@ -270,7 +273,8 @@ def _reward_model_pairs(cfg, train, *, policy_model, policy_params, task: Task, 
     pcfg = policy_pairs.PolicyPairsConfig.from_config(cfg)
     if cfg.pairs in ("task", "both") and task.pairs is None:
         raise ValueError(f"reward_model.pairs={cfg.pairs!r} needs the task's preference pairs, and task "
-                         f"{task.name!r} has none: set task.num_pairs > 0, or reward_model.pairs='policy'")
+                         f"{task.name!r} has none: set task.num_pairs > 0 (addition), task.kind='pairs' (files), "
+                         "or reward_model.pairs='policy'")
     held_out = {"": task.test_pairs} if task.test_pairs is not None else {}
     if pcfg is None:
         return task.pairs, held_out, {}
@@ -350,7 +354,8 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     """
     placement = placement or Placement.local()
     if task.pairs is None:
-        raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0")
+        raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0 (addition) or "
+                         "task.kind='pairs' (files: prompt, chosen, rejected)")
     dcfg = dpo.DPOConfig(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
                          nll_coef=cfg.nll_coef, num_microbatches=cfg.num_microbatches)
     p_sh = placement.param_shardings(model)

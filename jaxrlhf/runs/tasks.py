@@ -1,8 +1,9 @@
 """Tasks a run trains on: the data arrays, the reward, and the held-out evaluation.
 
 "addition" is the built-in task (no downloads): multi-digit addition with a character
-tokenizer and an exact answer. "jsonl" reads prompts/answers (and preference pairs) from
-local files with a Hugging Face tokenizer, and scores answers on the host with
+tokenizer and an exact answer. "jsonl" reads prompts/answers, SFT examples or preference
+pairs (`task.kind`) from local JSONL/Parquet files and TFDS datasets, mixed by weight
+(`data.sources`), with a Hugging Face tokenizer, and scores answers on the host with
 `data.final_answer_reward` (GSM8K-style "#### 42", `\\boxed{}` or the last number); every
 other field of a row travels with its prompt as a reward extra. The config's `reward`
 section adds Python rewards by import path to any task's own (`with_python_rewards`).
@@ -211,16 +212,72 @@ def _tokenizer(name: str, tokenizer_path: str):
     return load_tokenizer(tokenizer_path)
 
 
+KINDS = ("prompts", "sft", "pairs")
+
+
+def _file_parser(cfg, tok, kind: str):
+    """`parse(records, source)` of a `jsonl` task's rows of `kind`, the section's options bound."""
+    common = dict(max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
+                  system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
+    if kind == "prompts":
+        return lambda records, source: data.prompts_from_records(
+            records, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, source=source, **common)
+    if kind == "sft":
+        return lambda records, source: data.sft_from_records(
+            records, tok, messages_key=cfg.messages_key, prompt_key=cfg.prompt_key, completion_key=cfg.completion_key,
+            max_response_tokens=cfg.max_response_tokens, eos_id=tok.eos_token_id, source=source, **common)
+    return lambda records, source: data.pairs_from_records(
+        records, tok, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
+        max_response_tokens=cfg.max_response_tokens, source=source, **common)
+
+
+def _as_prompts(rows) -> data.PromptData:
+    """The prompts of SFT examples or pairs, for held-out evaluation: the reference answer
+    is the completion (the first assistant turn) or the chosen response."""
+    answers = rows.answer if isinstance(rows, data.SFTData) else rows.chosen_text
+    return data.PromptData(prompt_text=rows.prompt_text, prompt_ids=rows.prompt_ids, answer=list(answers),
+                           location=rows.location, fields=[{} for _ in rows.location], skipped=rows.skipped)
+
+
+def _pair_arrays(pairs: data.PairData, prompt_len: int, pad_id: int, eos_id: int | None) -> dict:
+    """`data.preference_batch` of all pairs, `eos_id` appended (None: chat-rendered
+    responses end with their template's end-of-turn marker already)."""
+    extra = int(eos_id is not None)
+    response_len = max(len(x) for x in pairs.chosen_ids + pairs.rejected_ids) + extra
+    return data.preference_batch(pairs.prompt_ids, pairs.chosen_ids, pairs.rejected_ids, prompt_len=prompt_len,
+                                 response_len=response_len, pad_id=pad_id, eos_id=eos_id)
+
+
 def jsonl(cfg, *, tokenizer_path: str) -> Task:
-    """Prompts and reference answers from JSONL/Parquet files, a Hugging Face tokenizer,
-    and a host-side exact-answer reward (`data.final_answer_reward`)."""
+    """Rows from JSONL/Parquet files and TFDS datasets (`data.read_mixture`: `task.path`, a
+    spec of sources mixed by weight), a Hugging Face tokenizer, and a host-side
+    exact-answer reward (`data.final_answer_reward`). `task.kind` says what a row is:
+    "prompts" (prompt and reference answer, GRPO/PPO), "sft" (a `messages` chat, or prompt
+    and completion: `task.sft`) or "pairs" (prompt, chosen, rejected: `task.pairs`); the
+    held-out evaluation of the last two decodes their prompts and compares the final answer
+    with the completion's / the chosen response's."""
+    kind = cfg.kind
+    if kind not in KINDS:
+        raise ValueError(f"task.kind={kind!r}; expected one of {KINDS} (prompts: GRPO/PPO, sft: SFT examples, "
+                         "pairs: preference pairs for DPO and reward-model training)")
     tok = _tokenizer("jsonl", tokenizer_path)
-    read = lambda path: data.read_prompts(path, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                                          max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
-                                          system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
-    return _text_task("jsonl", tok, read(cfg.path), read(cfg.test_path or cfg.path), cfg,
-                      source=f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}",
-                      folder=tokenizer_path)
+    parse = _file_parser(cfg, tok, kind)
+    test_field = "task.test_path" if cfg.test_path else "task.path"
+    train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed)
+    test = data.read_mixture(cfg.test_path or cfg.path, parse, data_dir=cfg.data_dir,
+                             seed=cfg.seed + 1, field=test_field)
+    source = f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}"
+    if kind == "prompts":
+        return _text_task("jsonl", tok, train, test, cfg, source=source, folder=tokenizer_path)
+    task = _text_task("jsonl", tok, _as_prompts(train), _as_prompts(test), cfg, source=source, folder=tokenizer_path)
+    if kind == "sft":
+        sft = data.sft_batch(train.prompt_ids, train.response_ids, prompt_len=task.prompt_len,
+                             response_len=max(len(x) for x in train.response_ids), pad_id=task.pad_id, eos_id=None,
+                             response_loss=train.loss_mask)
+        return dataclasses.replace(task, sft=sft)
+    eos = None if cfg.chat_template else tok.eos_token_id
+    return dataclasses.replace(task, pairs=_pair_arrays(train, task.prompt_len, task.pad_id, eos),
+                               test_pairs=_pair_arrays(test, task.prompt_len, task.pad_id, eos))
 
 
 def word_problems(cfg, *, tokenizer_path: str) -> Task:
