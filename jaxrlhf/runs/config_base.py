@@ -187,6 +187,11 @@ def train(**kw) -> mlc.ConfigDict:
       ~0.001 per update). A blow-up stops the run at that step with the reason, keeping the
       checkpoints before it. 0 = no bound (finiteness is still checked).
 
+    wandb: also log every metrics row to Weights & Biases (`pip install jaxrlhf[wandb]`),
+      project `wandb_project`, mode `wandb_mode` ("online" | "offline"; "" = online when
+      WANDB_API_KEY is set, else offline: the run is kept under `<workdir>/wandb`, upload it
+      later with `wandb sync`).
+
     time_split: run each GRPO/PPO step as three programs (rollout, scoring, update), each
       waited for, and report where the time goes: `time/rollout_s`, `time/scoring_s`,
       `time/update_s`, `time/tokens_per_s` (`algorithms.timing`). On by default: against
@@ -201,7 +206,8 @@ def train(**kw) -> mlc.ConfigDict:
         show_samples=5, export=True, eval_batch_size=512, eval_samples=0, eval_k="1,4,8", eval_temperature=1.0,
         eval_slots=0,
         stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
-        max_param_norm_change=1.0, time_split=True, monitor=monitor(**mon)), **kw))
+        max_param_norm_change=1.0, time_split=True, wandb=False, wandb_project="jaxrlhf", wandb_mode="",
+        monitor=monitor(**mon)), **kw))
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
