@@ -11,6 +11,8 @@ options of one `GRPOConfig` (see `preset`):
   arXiv:2501.03262; here the KL stays in the loss, as in GRPO).
 - loss: `ops.policy_loss` with clip-higher and dual clip, any `ops.aggregate` mode, plus
   `β·agg(k3)` to a frozen reference (β = 0: no reference model at all) and an entropy bonus.
+  `kl_in="reward"` moves the KL into the score instead (`kl_terms.sequence_reward`), and a
+  `kl_target` adapts β (`kl_controller`).
 - ratio: per token, or per sequence (GSPO, Zheng et al. 2025, arXiv:2507.18071):
   `s_i = exp(mean_t(logp − old_logp))`, broadcast to the tokens of response i and clipped.
 - DAPO (Yu et al. 2025, arXiv:2503.14476): dynamic sampling (groups whose scores are all
@@ -31,7 +33,6 @@ the whole iteration is one XLA program.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -42,8 +43,9 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import common, scoring, timing
-from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses, score_responses
+from jaxrlhf.algorithms import common, kl_controller, kl_terms, scoring, timing
+from jaxrlhf.algorithms.experience import sample_responses, score_responses
+from jaxrlhf.algorithms.grpo_config import ADVANTAGES, RATIO_LEVELS, GRPOConfig, preset
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
@@ -52,189 +54,24 @@ from jaxrlhf.rollout.sampler import SampleOutput
 
 PyTree = Any
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-RATIO_LEVELS = ("token", "sequence")
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    """Every option of the GRPO family (validated on construction).
-
-    Attributes:
-      sampling: how responses are drawn; `sampling.num_samples` is the group size G.
-      advantage: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp" (see the module docstring).
-      adv_eps: ε of "grpo" advantages `(s − mean)/(std + ε)` (TRL uses 1e-4).
-      beta: coefficient of `agg(KL)` in the loss; 0 needs no reference model.
-      track_kl: with β = 0, still keep the reference model and report `kl` (the masked
-        mean of the estimator against it) without putting it in the loss: the health
-        monitor's drift check then works for unregularised runs too (one more forward
-        pass per step).
-      kl_estimator: "k3" (SPEC §3, the GRPO choice), or "k1" / "k2".
-      clip_low, clip_high: ε_low, ε_high of the clipped ratio (clip_high None = clip_low;
-        DAPO's clip-higher is clip_high > clip_low).
-      dual_clip: c > 1 bounds the loss of negative-advantage tokens (None: off).
-      agg: loss aggregation, one of `ops.aggregate`'s four modes.
-      norm_len: L of "seq-mean-token-sum-norm"; None means `sampling.max_new_tokens`.
-      entropy_coef: c_ent of the entropy bonus `− c_ent·agg(entropy)`.
-      num_iterations: μ, passes over each rollout batch (μ > 1 reuses the rollout's old
-        log-probs, so the ratio moves away from 1 after the first minibatch).
-      num_minibatches: optimizer steps per pass (shuffled minibatches).
-      num_microbatches: gradient-accumulation chunks per minibatch (same result as one
-        chunk: `common.accumulation_scale` keeps the normalisation).
-      ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
-      dynamic_sampling: zero the advantages of groups whose scores are all equal and, with
-        `prompts_per_step`, keep only groups with signal from an oversampled prompt pool.
-      prompts_per_step: groups in the update batch under dynamic sampling (the iteration is
-        then given a pool of at least this many prompts); None keeps every prompt.
-      overlong_max_len, overlong_cache: DAPO's soft overlong penalty in tokens
-        (`overlong_penalty`); None turns it off.
-      overlong_coef: weight of that penalty, added to the score before advantages.
-      share_prompt: run each group's prompt once in the scoring and training forward
-        passes, its G responses on the prompt's keys and values (`common.response_hidden`
-        with `group_size=G`): the same numbers up to float rounding, `(P + T)·G → P + T·G`
-        tokens through the layers. Used wherever rows stay in whole groups: always for the
-        rollout's scoring, and in the update when `num_minibatches == 1` (a shuffled
-        minibatch mixes groups) and G divides each micro-batch.
-    """
-
-    sampling: SamplingConfig
-    advantage: str = "grpo"
-    adv_eps: float = 1e-6
-    beta: float = 0.0
-    track_kl: bool = False
-    kl_estimator: str = "k3"
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    agg: str = "token-mean"
-    norm_len: int | None = None
-    entropy_coef: float = 0.0
-    num_iterations: int = 1
-    num_minibatches: int = 1
-    num_microbatches: int = 1
-    ratio_level: str = "token"
-    dynamic_sampling: bool = False
-    prompts_per_step: int | None = None
-    overlong_max_len: int | None = None
-    overlong_cache: int = 0
-    overlong_coef: float = 1.0
-    share_prompt: bool = True
-
-    def __post_init__(self):
-        def fail(msg):
-            raise ValueError(f"GRPOConfig: {msg}")
-
-        if not isinstance(self.sampling, SamplingConfig):
-            fail(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        for name, allowed in (("advantage", ADVANTAGES), ("ratio_level", RATIO_LEVELS),
-                              ("kl_estimator", ops.KL_ESTIMATORS), ("agg", ops.AGGREGATE_MODES)):
-            if getattr(self, name) not in allowed:
-                fail(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
-        g = self.sampling.num_samples
-        if self.advantage != "reinforce_pp" and g < 2:
-            fail(f"advantage {self.advantage!r} compares responses within a group: sampling.num_samples "
-                 f"(G) must be >= 2, got {g}")
-        if self.dynamic_sampling and g < 2:
-            fail(f"dynamic_sampling needs groups: sampling.num_samples must be >= 2, got {g}")
-        if self.sampling.temperature <= 0:
-            fail(f"sampling.temperature must be > 0 for policy-gradient training, got {self.sampling.temperature}")
-        if self.adv_eps < 0:
-            fail(f"adv_eps must be >= 0, got {self.adv_eps}")
-        if self.beta < 0:
-            fail(f"beta must be >= 0, got {self.beta}")
-        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
-            fail(f"clip_low and clip_high must be > 0, got {self.clip_low}, {self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            fail(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.norm_len is not None and self.norm_len <= 0:
-            fail(f"norm_len must be > 0, got {self.norm_len}")
-        for name in ("num_iterations", "num_minibatches", "num_microbatches"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                fail(f"{name} must be an int >= 1, got {v!r}")
-        if self.prompts_per_step is not None:
-            if not self.dynamic_sampling:
-                fail("prompts_per_step selects groups from an oversampled pool: it needs dynamic_sampling=True")
-            if self.prompts_per_step < 1:
-                fail(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.overlong_max_len is not None:
-            if not 0 <= self.overlong_cache < self.overlong_max_len:
-                fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), "
-                     f"got {self.overlong_cache}")
-
-    @property
-    def uses_reference(self) -> bool:
-        """The reference model's log-probs are computed: β > 0 (the KL term) or `track_kl`."""
-        return self.beta > 0 or self.track_kl
-
-    @property
-    def group_size(self) -> int:
-        return self.sampling.num_samples
-
-    @property
-    def loss_norm_len(self) -> int:
-        return self.sampling.max_new_tokens if self.norm_len is None else self.norm_len
-
-    def prompt_group(self, rows: int, *, shuffled: bool = False) -> int:
-        """The `group_size` for a forward pass over `rows` rows (1: no prompt sharing)."""
-        g = self.group_size
-        share = self.share_prompt and g > 1 and not shuffled and rows % g == 0
-        return g if share else 1
-
-    @property
-    def updates_per_iteration(self) -> int:
-        """Optimizer steps one iteration makes (μ passes × minibatches): what a learning-rate
-        schedule over a run of iterations counts."""
-        return self.num_iterations * self.num_minibatches
-
-    @property
-    def reuses_rollout_logp(self) -> bool:
-        """μ = 1 with one minibatch: the policy being updated *is* the rollout policy, so the
-        old log-probs are the training forward's own (stop-gradient), ratio exactly 1, and
-        no separate scoring pass is needed."""
-        return self.num_iterations == 1 and self.num_minibatches == 1
-
-
-_PRESETS = {
-    # Original GRPO (DeepSeekMath): per-sequence token means, k3 KL in the loss.
-    "grpo": dict(advantage="grpo", agg="seq-mean-token-mean", beta=0.04),
-    # Dr. GRPO: no std division, a constant length normaliser, no KL.
-    "dr_grpo": dict(advantage="dr_grpo", agg="seq-mean-token-sum-norm", beta=0.0),
-    # DAPO: clip-higher, token-level loss, dynamic sampling, soft overlong penalty, no KL.
-    "dapo": dict(advantage="grpo", agg="token-mean", clip_low=0.2, clip_high=0.28, beta=0.0,
-                 dynamic_sampling=True),
-    # GSPO: sequence-level ratio with a tight clip range, sequence-mean loss.
-    "gspo": dict(advantage="grpo", ratio_level="sequence", agg="seq-mean-token-mean", clip_low=3e-4,
-                 clip_high=4e-4, beta=0.0),
-    # RLOO: leave-one-out baseline, one on-policy pass (the clip is then inactive).
-    "rloo": dict(advantage="rloo", agg="seq-mean-token-mean", beta=0.0, num_iterations=1),
-    # REINFORCE++: global whitening of the sequence scores, token-level loss.
-    "reinforce_pp": dict(advantage="reinforce_pp", agg="token-mean", beta=0.0),
-}
-
-
-def preset(name: str, sampling: SamplingConfig, **overrides) -> GRPOConfig:
-    """A `GRPOConfig` for a named variant ("grpo", "dr_grpo", "dapo", "gspo", "rloo",
-    "reinforce_pp"); `overrides` change any field. "dapo" also turns on the overlong
-    penalty with `overlong_max_len = max_new_tokens`, `overlong_cache = max_new_tokens // 5`.
-    """
-    if name not in _PRESETS:
-        raise ValueError(f"unknown preset {name!r}; expected one of {tuple(_PRESETS)}")
-    fields = dict(_PRESETS[name])
-    if name == "dapo":
-        fields.update(overlong_max_len=sampling.max_new_tokens,
-                      overlong_cache=max(sampling.max_new_tokens // 5, 0))
-    fields.update(overrides)
-    return GRPOConfig(sampling=sampling, **fields)
-
-
 @flax.struct.dataclass
 class GRPOState:
-    """The policy's `TrainState`, the frozen reference parameters (or None), iterations done."""
+    """The policy's `TrainState`, the frozen reference parameters (or None), iterations
+    done, and β's adaptive controller (None: β is the config's fixed `beta`)."""
 
     policy: common.TrainState
     ref_params: PyTree
     step: jax.Array
+    kl_ctl: kl_controller.KLControllerState | None = None
+
+
+def current_beta(state: GRPOState, cfg: GRPOConfig) -> float | jax.Array:
+    """β of this iteration: the adaptive controller's, or the fixed `cfg.beta`."""
+    if cfg.kl_config.adaptive:
+        if state.kl_ctl is None:
+            raise ValueError("GRPO with kl_target adapts β: init_state(params, tx, ..., cfg=cfg)")
+        return state.kl_ctl.beta
+    return cfg.beta
 
 
 def reference_params(state: GRPOState) -> PyTree:
@@ -246,10 +83,12 @@ def reference_params(state: GRPOState) -> PyTree:
     return state.ref_params
 
 
-def init_state(params, tx: optax.GradientTransformation, ref_params=None) -> GRPOState:
+def init_state(params, tx: optax.GradientTransformation, ref_params=None, *,
+               cfg: GRPOConfig | None = None) -> GRPOState:
     """The state of a run; pass `ref_params` (usually the starting params) when β > 0, or
     none when `params` hold LoRA adapters: the reference is then the base without them
-    (`reference_params`).
+    (`reference_params`). Pass `cfg` when it has a `kl_target`: the state then holds β's
+    adaptive controller.
 
     The policy holds `params` themselves; the reference gets buffers of its own: each leaf
     of `ref_params` that is also a leaf of `params` (`ref_params=params`, or a tree that
@@ -260,8 +99,9 @@ def init_state(params, tx: optax.GradientTransformation, ref_params=None) -> GRP
     if ref_params is not None:
         policy_leaves = {id(x) for x in jax.tree.leaves(params)}
         ref_params = jax.tree.map(lambda x: jnp.copy(x) if id(x) in policy_leaves else x, ref_params)
+    kl_ctl = kl_controller.init(cfg.kl_config) if cfg is not None and cfg.kl_config.adaptive else None
     return GRPOState(policy=common.TrainState.create(params, tx), ref_params=ref_params,
-                     step=jnp.zeros((), jnp.int32))
+                     step=jnp.zeros((), jnp.int32), kl_ctl=kl_ctl)
 
 
 class Batch(NamedTuple):
@@ -274,6 +114,8 @@ class Batch(NamedTuple):
       policy (μ = 1, one minibatch) and the loss uses its own log-probs, stop-gradient.
     ref_logp: `[N, T]` reference log-probs, or None when β = 0.
     sampler_logp: `[N, T]` the sampler's log-probs (diagnostic `logp_mismatch`), or None.
+    kl_N: `[N]` the rollout policy's KL to the reference per response (`kl_terms.sequence_kl`),
+      the adaptive β's measurement; None without a `kl_target`.
     """
 
     sequences: jax.Array
@@ -283,6 +125,7 @@ class Batch(NamedTuple):
     old_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
     sampler_logp: jax.Array | None = None
+    kl_N: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- advantages
@@ -338,12 +181,15 @@ def loss_fn(
     total_tokens: jax.Array | None = None,
     total_seqs: int | None = None,
     group_size: int = 1,
+    beta: float | jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The GRPO-family loss of one (micro)batch:
 
         L = agg(l_clip(ρ, A)) + β·agg(kl(logp, ref_logp)) − c_ent·agg(entropy)
 
-    with `ρ` per token or per sequence (`cfg.ratio_level`). Given `total_tokens` (valid
+    with `ρ` per token or per sequence (`cfg.ratio_level`), the KL term only with
+    `cfg.kl_in == "loss"` (`kl_terms.loss_term`; `beta`: this iteration's β, None =
+    `cfg.beta`). Given `total_tokens` (valid
     tokens of the whole minibatch) and `total_seqs`, the loss is scaled to this chunk's
     share of the minibatch loss (`common.accumulation_scale`), for accumulation.
 
@@ -368,8 +214,9 @@ def loss_fn(
         raise ValueError("GRPO loss: beta > 0 needs ref_logp (a reference model)")
     if batch.ref_logp is not None:
         kl_BxT = ops.kl(logp, batch.ref_logp, estimator=cfg.kl_estimator)
-        if cfg.beta > 0:
-            loss = loss + cfg.beta * ops.aggregate(kl_BxT, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
+        if cfg.beta > 0 and cfg.kl_in == "loss":
+            beta = cfg.beta if beta is None else beta
+            loss = loss + kl_terms.loss_term(kl_BxT, mask, beta, agg=cfg.agg, norm_len=cfg.loss_norm_len)
         metrics["kl"] = ops.masked_mean(jax.lax.stop_gradient(kl_BxT), mask)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
@@ -387,7 +234,8 @@ def loss_fn(
 
 def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer,
            tx: optax.GradientTransformation, cfg: GRPOConfig) -> tuple[GRPOState, dict]:
-    """μ passes × `num_minibatches` optimizer steps on one rollout batch, in one `lax.scan`.
+    """μ passes × `num_minibatches` optimizer steps on one rollout batch, in one `lax.scan`,
+    with the state's β (`current_beta`).
 
     Each pass shuffles the rows (with `rng`) into minibatches; each minibatch's gradient is
     accumulated over `num_microbatches` chunks. A step whose gradient is not finite is
@@ -410,7 +258,8 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     def step(policy, mb):
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
-                                       total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1))
+                                       total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1),
+                                       beta=current_beta(state, cfg))
         loss, metrics, grads = common.accumulate_gradients(chunk_loss, policy.params, mb, num_microbatches=k)
         policy, finite = common.apply_if_finite(policy, grads, tx, loss)
         return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
@@ -422,10 +271,10 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     return state.replace(policy=policy), metrics
 
 
-def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, group_size):
+def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, group_size, beta):
     del index
     return loss_fn(params, chunk, cfg, model=model, total_tokens=total_tokens, total_seqs=total_seqs,
-                   group_size=group_size)
+                   group_size=group_size, beta=beta)
 
 
 # --------------------------------------------------------------------------- iteration
@@ -442,14 +291,15 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
           cfg: GRPOConfig, reward: rewards_lib.Reward) -> tuple[Batch, dict]:
     """The reward's JAX components on `out` (given the prompts' `extras`, `[B, ...]`
     arrays, repeated per sample) beside its host ones' `host_scores` (`{name: [N]}`), then
-    (overlong penalty) → (dynamic selection) → advantages → old/ref log-probs: the update's
-    `Batch` and the rollout's metrics."""
+    (overlong penalty) → (dynamic selection) → old/ref log-probs → (KL in the reward,
+    `kl_terms.sequence_reward`) → advantages: the update's `Batch` and the rollout's metrics."""
     del rng
     g = cfg.group_size
     n_pool = out.response_ids.shape[0]
     if cfg.uses_reference and reference_params(state) is None:
         raise ValueError(f"GRPO with beta={cfg.beta}, track_kl={cfg.track_kl} needs a reference model: "
                          "init_state(params, tx, ref_params=...), or LoRA adapters on the policy")
+    beta = current_beta(state, cfg)
     extras_N = scoring.repeat_extras(extras, g, n_pool // g)
     scores = {**reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N), **host_scores}
     total = reward.total(scores)
@@ -471,31 +321,43 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         shaped = shaped[sel.indices]
         metrics.update({"dynamic/kept_fraction": sel.kept_fraction, "dynamic/signal_fraction": sel.signal_fraction})
     mask = out.response_mask
+    n = mask.shape[0]
+    p = out.sequences.shape[1] - mask.shape[1]
+    forward = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
+                                prompt_len=p, temperature=cfg.sampling.temperature, group_size=cfg.prompt_group(n))
+    old_logp = None if cfg.reuses_rollout_logp else forward(state.policy.params)
+    ref_logp = forward(reference_params(state)) if cfg.uses_reference else None
+    kl_N = None
+    if ref_logp is not None and (cfg.kl_in == "reward" or cfg.kl_config.adaptive):
+        rollout_logp = forward(state.policy.params) if old_logp is None else old_logp
+        kl_NxT = ops.kl(rollout_logp, ref_logp, estimator=cfg.kl_estimator)
+        if cfg.kl_in == "reward" and cfg.beta > 0:
+            shaped = kl_terms.sequence_reward(shaped, kl_NxT, mask, beta)
+        kl_N = kl_terms.sequence_kl(kl_NxT, mask)
+        metrics["kl_seq"] = jnp.mean(kl_N)
+        kl_N = kl_N if cfg.kl_config.adaptive else None
     adv = compute_advantages(shaped, cfg, mask)
     if cfg.dynamic_sampling:
         adv = jnp.where(jnp.repeat(sel.has_signal, g)[:, None], adv, 0.0)
-    n = mask.shape[0]
     zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1)  # n = K·G always
     var = ops.masked_var(adv, mask)
     metrics.update({"advantage/mean": ops.masked_mean(adv, mask), "advantage/std": jnp.sqrt(var),
                     "zero_adv_group_fraction": jnp.mean(zero_group.astype(jnp.float32))})
-
-    p = out.sequences.shape[1] - mask.shape[1]
-    temp = cfg.sampling.temperature
-    forward = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
-                                prompt_len=p, temperature=temp, group_size=cfg.prompt_group(n))
-    old_logp = None if cfg.reuses_rollout_logp else forward(state.policy.params)
-    ref_logp = forward(reference_params(state)) if cfg.uses_reference else None
-    return Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs), metrics
+    return Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs, kl_N), metrics
 
 
 def train(state: GRPOState, batch: Batch, rng, *, model: Transformer, tx: optax.GradientTransformation,
           cfg: GRPOConfig, schedule: Callable | None = None) -> tuple[GRPOState, dict]:
-    """`update` on the scored batch with the iteration's update key, then the step count;
-    `lr` in the metrics when given the `schedule`."""
+    """`update` on the scored batch with the iteration's update key, then the step count and
+    (with a `kl_target`) β's controller step on the batch's measured KL (`beta`, the β
+    used, and `beta_next` in the metrics); `lr` in the metrics when given the `schedule`."""
     metrics = {} if schedule is None else {"lr": jnp.asarray(schedule(state.policy.step), jnp.float32)}
     key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 1)
     state, upd = update(state, batch, key, model=model, tx=tx, cfg=cfg)
+    if cfg.kl_config.adaptive:
+        kl_ctl = kl_controller.update(state.kl_ctl, jnp.mean(batch.kl_N), batch.kl_N.shape[0], cfg=cfg.kl_config)
+        metrics.update(beta=state.kl_ctl.beta, beta_next=kl_ctl.beta)
+        state = state.replace(kl_ctl=kl_ctl)
     return state.replace(step=state.step + 1), {**metrics, **upd}
 
 
@@ -586,6 +448,6 @@ def _key(rng):
     return rng
 
 
-__all__ = ["ADVANTAGES", "Batch", "GRPOConfig", "GRPOState", "GroupSelection", "compute_advantages",
-           "importance_logp", "init_state", "loss_fn", "make_iteration", "overlong_penalty", "preset", "rollout",
+__all__ = ["ADVANTAGES", "RATIO_LEVELS", "Batch", "GRPOConfig", "GRPOState", "GroupSelection", "compute_advantages",
+           "current_beta", "importance_logp", "init_state", "loss_fn", "make_iteration", "overlong_penalty", "preset", "rollout",
            "score", "select_groups", "split", "train", "update"]

@@ -50,20 +50,18 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import ops, rewards
-from jaxrlhf.algorithms import kl_controller, scoring, timing
+from jaxrlhf.algorithms import kl_controller, kl_terms, scoring, timing
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
     apply_if_finite,
-    accumulation_scale,
     jit_keeping_frozen,
     minibatch_scan,
-    response_hidden,
-    response_logprobs,
     summarize_steps,
     tree_finite,
 )
 from jaxrlhf.algorithms.experience import SamplingConfig, sample_responses
+from jaxrlhf.algorithms.ppo_loss import loss_fn, ppo_loss
 from jaxrlhf.algorithms.ppo_rollout import (
     Advantages,
     Rollout,
@@ -99,8 +97,11 @@ class PPOConfig:
       sampling: how responses are drawn (`max_new_tokens`, temperature τ — which also
         divides the logits of every log-prob —, top-k/p, `eos_id`, `num_samples`).
 
-    KL to the reference (SPEC §3, KL in the reward):
-      kl_estimator: "k1" | "k2" | "k3", the per-token KL that enters the reward.
+    KL to the reference (SPEC §3):
+      kl_in: "reward" (−β·kl on every token's reward before GAE, `ops.shape_rewards`) or
+        "loss" (β·agg(kl) added to the actor loss, `kl_terms.loss_term`; the rewards are
+        then the score alone).
+      kl_estimator: "k1" | "k2" | "k3", the per-token KL that enters the reward or loss.
       kl_coef: β (the starting β when adaptive).
       kl_target: None for a fixed β; else the target KL (nats per response, summed over
         its tokens with `kl_estimator`) of the adaptive controller (Ziegler et al. 2019).
@@ -136,6 +137,7 @@ class PPOConfig:
 
     sampling: SamplingConfig
     kl_estimator: str = "k1"
+    kl_in: str = "reward"
     kl_coef: float = 0.05
     kl_target: float | None = None
     kl_horizon: int = 10_000
@@ -166,6 +168,8 @@ class PPOConfig:
             bad(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         if self.kl_estimator not in ops.KL_ESTIMATORS:
             bad(f"kl_estimator={self.kl_estimator!r}; expected one of {ops.KL_ESTIMATORS}")
+        if self.kl_in not in kl_terms.KL_PLACEMENTS:
+            bad(f"kl_in={self.kl_in!r}; expected one of {kl_terms.KL_PLACEMENTS}")
         # The controller config validates kl_coef / kl_target / kl_horizon.
         try:
             self.kl_config
@@ -335,65 +339,6 @@ def init_state(
 # Loss and update
 
 
-def ppo_loss(
-    params: dict,
-    batch: dict,
-    *,
-    actor_model: Transformer,
-    critic_model: Transformer | None,
-    cfg: PPOConfig,
-) -> tuple[jax.Array, dict]:
-    """The PPO objective on one (mini/micro)batch, not yet weighted for accumulation:
-
-        loss = policy_loss(logp, old_logp, A) + vf_coef·value_loss(V, V_old, R) − ent_coef·agg(H)
-
-    params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
-    batch: sequences, attention_mask `[n, P+T]`; response_mask, old_logp, old_values,
-      advantages, returns `[n, T]`.
-    """
-    seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["response_mask"]
-    prompt_len = seq.shape[1] - mask.shape[1]
-    logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
-                                          temperature=cfg.sampling.temperature, with_entropy=True)
-    if not cfg.shared:
-        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len)
-    pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
-                             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
-    vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
-                            clip=cfg.vf_clip, agg=cfg.agg, norm_len=cfg.norm_len)
-    entropy = ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.norm_len)
-    loss = pg + cfg.vf_coef * vl
-    if cfg.ent_coef:
-        loss = loss - cfg.ent_coef * entropy
-    metrics = dict(loss=loss, policy_loss=pg, value_loss=vl, entropy=entropy, clipfrac=pm["clipfrac"],
-                   approx_kl=pm["approx_kl"], ratio_mean=pm["ratio_mean"], ratio_min=pm["ratio_min"],
-                   ratio_max=pm["ratio_max"], value_clipfrac=vm["clipfrac"], value_mean=vm["value_mean"])
-    return loss, jax.lax.stop_gradient(metrics)
-
-
-_LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy")
-_TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
-
-
-def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs):
-    """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`).
-
-    The metrics are weighted too, so that `accumulate_gradients`' plain mean over
-    micro-batches gives the minibatch's values: losses by the same share as the loss,
-    token means by the micro-batch's share of tokens. (`ratio_min/max` are extremes,
-    which `accumulate_gradients` combines as such.)
-    """
-    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg)
-    mask = batch["response_mask"]
-    scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
-    if cfg.num_microbatches > 1:
-        n = cfg.num_microbatches
-        token_share = jnp.sum(mask, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
-        metrics = {k: v * (scale * n if k in _LOSS_METRICS else token_share * n if k in _TOKEN_METRICS else 1.0)
-                   for k, v in metrics.items()}
-    return loss * scale, metrics
-
-
 _FIRST = ("ratio_min", "ratio_max", "ratio_mean", "approx_kl", "clipfrac")
 
 
@@ -428,7 +373,7 @@ def update(
         actor, critic = carry
         total_tokens = jnp.sum(mb["response_mask"], dtype=jnp.float32)
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
-                               total_tokens=total_tokens, total_seqs=mb_size)
+                               total_tokens=total_tokens, total_seqs=mb_size, beta=state.kl_ctl.beta)
         params = {"actor": actor.params, "critic": None if critic is None else critic.params}
         loss, metrics, grads = accumulate_gradients(lambda p, b, _: lf(p, b), params, mb,
                                                     num_microbatches=cfg.num_microbatches)
@@ -494,6 +439,8 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg)
     batch = dict(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=roll.response_mask,
                  old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns)
+    if cfg.kl_in == "loss":
+        batch["ref_logp"] = roll.ref_logp
     kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], out.sequences.shape[0], cfg=cfg.kl_config)
     metrics["beta_next"] = kl_ctl.beta
     finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()]))

@@ -159,12 +159,13 @@ def compute_advantages(
     """SPEC §3–§4 composed from ops, nothing else:
 
         kl = ops.kl(old_logp, ref_logp, estimator)
-        r  = ops.shape_rewards(scores, kl, mask, β)        (−β·kl every token, + score last)
+        r  = ops.shape_rewards(scores, kl, mask, β)        (−β·kl every token, + score last;
+                                                            β = 0 here with kl_in="loss")
         A, R = ops.gae(r, values, mask, γ, λ)
         A  = ops.whiten(A, mask)                            (if whiten_advantages)
     """
     kl = jnp.where(mask_NxT, ops.kl(old_logp_NxT, ref_logp_NxT, estimator=cfg.kl_estimator), 0.0)
-    rewards = ops.shape_rewards(scores_N, kl, mask_NxT, beta)
+    rewards = ops.shape_rewards(scores_N, kl, mask_NxT, beta if cfg.kl_in == "reward" else 0.0)
     adv, ret = ops.gae(rewards, values_NxT, mask_NxT, gamma=cfg.gamma, lam=cfg.lam)
     white = ops.whiten(adv, mask_NxT) if cfg.whiten_advantages else adv
     white = jnp.where(mask_NxT, white, 0.0)

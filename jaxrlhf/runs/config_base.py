@@ -128,12 +128,14 @@ def addition_warm_start() -> mlc.ConfigDict:
 
 
 def grpo(**kw) -> mlc.ConfigDict:
-    """GRPO family; see `jaxrlhf.algorithms.grpo.GRPOConfig` for each field (0 = off)."""
+    """GRPO family; see `jaxrlhf.algorithms.grpo.GRPOConfig` for each field (0 = off).
+    `kl_in`: "loss" or "reward" (the KL's placement); `kl_target` > 0 adapts β."""
     opt = kw.pop("optim", {})
     samp = kw.pop("sampling", {})
     return mlc.ConfigDict(dict(dict(
         steps=100, prompts_per_step=16, pool_size=0, seed=0, sampling=sampling(**samp),
-        advantage="grpo", adv_eps=1e-6, beta=0.0, kl_estimator="k3", clip_low=0.2, clip_high=0.0, dual_clip=0.0,
+        advantage="grpo", adv_eps=1e-6, beta=0.0, kl_estimator="k3", kl_in="loss", kl_target=0.0,
+        kl_horizon=10000, clip_low=0.2, clip_high=0.0, dual_clip=0.0,
         agg="token-mean", norm_len=0, entropy_coef=0.0, num_iterations=1, num_minibatches=1, num_microbatches=1,
         ratio_level="token", dynamic_sampling=False, overlong_max_len=0, overlong_cache=0, track_kl=False,
         optim=optim(**opt)), **kw))
@@ -185,6 +187,11 @@ def train(**kw) -> mlc.ConfigDict:
       ~0.001 per update). A blow-up stops the run at that step with the reason, keeping the
       checkpoints before it. 0 = no bound (finiteness is still checked).
 
+    wandb: also log every metrics row to Weights & Biases (`pip install jaxrlhf[wandb]`),
+      project `wandb_project`, mode `wandb_mode` ("online" | "offline"; "" = online when
+      WANDB_API_KEY is set, else offline: the run is kept under `<workdir>/wandb`, upload it
+      later with `wandb sync`).
+
     time_split: run each GRPO/PPO step as three programs (rollout, scoring, update), each
       waited for, and report where the time goes: `time/rollout_s`, `time/scoring_s`,
       `time/update_s`, `time/tokens_per_s` (`algorithms.timing`). On by default: against
@@ -199,7 +206,8 @@ def train(**kw) -> mlc.ConfigDict:
         show_samples=5, export=True, eval_batch_size=512, eval_samples=0, eval_k="1,4,8", eval_temperature=1.0,
         eval_slots=0,
         stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
-        max_param_norm_change=1.0, time_split=True, monitor=monitor(**mon)), **kw))
+        max_param_norm_change=1.0, time_split=True, wandb=False, wandb_project="jaxrlhf", wandb_mode="",
+        monitor=monitor(**mon)), **kw))
 
 
 def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
@@ -221,13 +229,14 @@ def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
 def ppo(**kw) -> mlc.ConfigDict:
     """RLHF-PPO; see `jaxrlhf.algorithms.ppo.PPOConfig` for each field (0 / "" = off).
     `reward`: "model" (a reward model trained on the task's pairs, the `reward_model`
-    section) or "task" (the task's rule-based reward; no reward model)."""
+    section) or "task" (the task's rule-based reward; no reward model). `kl_in`: "reward"
+    (per-token, before GAE) or "loss" (β·agg(KL) in the actor loss)."""
     opt = kw.pop("optim", {})
     copt = kw.pop("critic_optim", {})
     samp = kw.pop("sampling", {})
     return mlc.ConfigDict(dict(dict(
         steps=100, prompts_per_step=32, seed=0, sampling=sampling(**dict(dict(num_samples=1), **samp)),
-        reward="model", kl_estimator="k1", kl_coef=0.05, kl_target=0.0, kl_horizon=10000, missing_eos_penalty=0.0,
+        reward="model", kl_estimator="k1", kl_in="reward", kl_coef=0.05, kl_target=0.0, kl_horizon=10000, missing_eos_penalty=0.0,
         reward_whitening="", reward_clip=0.0, gamma=1.0, lam=0.95, whiten_advantages=True, clip=0.2, vf_clip=0.2,
         vf_coef=0.1, ent_coef=0.0, agg="token-mean", num_ppo_epochs=4, num_minibatches=1, num_microbatches=1,
         critic="separate", optim=optim(**opt), critic_optim=optim(**copt)), **kw))

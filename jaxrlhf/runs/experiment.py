@@ -55,7 +55,7 @@ from jaxrlhf import runlog
 from jaxrlhf.models import lora, quant, save_pretrained
 from jaxrlhf.runs import phases, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
-from jaxrlhf.runs.metrics import MetricsWriter
+from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.tasks import build_task, make_accuracy_fn, python_rewards, with_python_rewards
 from jaxrlhf.runs.workdir import claim
@@ -167,7 +167,11 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement,
                                 sampled=sampled, seed=config.seed, slots=config.train.eval_slots)
     rng = jax.random.key(config.seed)
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    run = None
+    if config.train.wandb and main:
+        run = start_wandb(workdir, project=config.train.wandb_project, mode=config.train.wandb_mode,
+                          config=config.to_dict())
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, wandb_run=run)
     rows, extras = [], {}
     common = dict(model=model, task=task, workdir=workdir, writer=writer, eval_fn=accuracy, should_stop=should_stop,
                   placement=placement)

@@ -1,4 +1,5 @@
-"""Metrics to `metrics.jsonl` and TensorBoard event files, written by process 0 only.
+"""Metrics to `metrics.jsonl`, TensorBoard event files and (optionally) Weights & Biases,
+written by process 0 only.
 
 A resumed phase first cuts the log back to its checkpoint (`MetricsWriter.start_phase`),
 so that the log of an interrupted and resumed run equals an uninterrupted run's:
@@ -70,15 +71,35 @@ def rows_before_resume(lines: list[str], phase: str, step: int) -> int:
     return len(lines)
 
 
+def start_wandb(workdir: str | Path, *, project: str, mode: str = "", config: dict | None = None):
+    """A Weights & Biases run for `workdir` (files under `<workdir>/wandb`, named after the
+    workdir). `mode` "" = "online" when WANDB_API_KEY is set, else "offline" (no network
+    needed; `wandb sync <workdir>/wandb/offline-run-*` uploads it later)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("train.wandb=True needs the wandb package: pip install 'jaxrlhf[wandb]' "
+                         "(or set train.wandb=False)") from None
+    mode = mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    if mode not in ("online", "offline"):
+        raise ValueError(f"train.wandb_mode={mode!r}; expected 'online', 'offline' or '' (automatic)")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=project, name=workdir.name, dir=str(workdir), mode=mode, config=config or {})
+
+
 class MetricsWriter:
     """`write(step, metrics, phase=...)` appends a row `{"step", "<phase>/<name>": value}` to
-    `metrics.jsonl` and the scalars to `tensorboard/<phase>/`; `start_phase` cuts both back
-    before a phase (re)starts. On processes other than 0 it does nothing."""
+    `metrics.jsonl`, the scalars to `tensorboard/<phase>/` and to the Weights & Biases run
+    `wandb_run` (if given; each phase's metrics against its own `<phase>/step`);
+    `start_phase` cuts the first two back before a phase (re)starts. On processes other
+    than 0 it does nothing."""
 
-    def __init__(self, workdir: str | Path, *, tensorboard: bool = True):
+    def __init__(self, workdir: str | Path, *, tensorboard: bool = True, wandb_run=None):
         self.enabled = jax.process_index() == 0
         self.workdir = Path(workdir)
         self.tensorboard = tensorboard
+        self.wandb_run = wandb_run if self.enabled else None
         self._jsonl = None
         self._tb: dict = {}
         if not self.enabled:
@@ -137,9 +158,14 @@ class MetricsWriter:
             events = self._open_events(phase)
             for k, v in scalars.items():
                 events.add_scalar(tensorboard_tag(k), v, step)
+        if self.wandb_run is not None:
+            self.wandb_run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+            self.wandb_run.log({f"{phase}/step": int(step), **scalars})
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         for events in self._tb.values():
             events.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -131,7 +131,8 @@ def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig
     sampling = setup.build_sampling(cfg.sampling, eos_id=task.stop_ids, pad_id=task.pad_id)
     return grpo.GRPOConfig(
         sampling=sampling, advantage=cfg.advantage, adv_eps=cfg.adv_eps, beta=cfg.beta,
-        track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low,
+        track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, kl_in=cfg.kl_in,
+        kl_target=cfg.kl_target if cfg.kl_target > 0 else None, kl_horizon=cfg.kl_horizon, clip_low=cfg.clip_low,
         clip_high=cfg.clip_high if cfg.clip_high > 0 else None,
         dual_clip=cfg.dual_clip if cfg.dual_clip > 0 else None, agg=cfg.agg,
         norm_len=cfg.norm_len if cfg.norm_len > 0 else None, entropy_coef=cfg.entropy_coef,
@@ -162,7 +163,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     p_sh = placement.param_shardings(model)
     # With LoRA adapters the reference is the policy's own base (`grpo.reference_params`).
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
-    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None)
+    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     reward = rewards_lib.as_reward(task.reward)
     # The task pads every prompt to one length already: no buckets.
@@ -398,7 +399,7 @@ def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
     sampling = setup.build_sampling(cfg.sampling, eos_id=task.stop_ids, pad_id=task.pad_id)
     opt = lambda v: v if v > 0 else None
     return ppo.PPOConfig(
-        sampling=sampling, kl_estimator=cfg.kl_estimator, kl_coef=cfg.kl_coef, kl_target=opt(cfg.kl_target),
+        sampling=sampling, kl_estimator=cfg.kl_estimator, kl_in=cfg.kl_in, kl_coef=cfg.kl_coef, kl_target=opt(cfg.kl_target),
         kl_horizon=cfg.kl_horizon, missing_eos_penalty=opt(cfg.missing_eos_penalty),
         reward_whitening=cfg.reward_whitening or None, reward_clip=opt(cfg.reward_clip), gamma=cfg.gamma,
         lam=cfg.lam, whiten_advantages=cfg.whiten_advantages, clip=cfg.clip, vf_clip=opt(cfg.vf_clip),

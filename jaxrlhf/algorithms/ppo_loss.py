@@ -1,0 +1,88 @@
+"""RLHF-PPO's loss (`ppo_loss`) and its accumulation weighting (`loss_fn`); `algorithms.ppo`
+runs them and re-exports both."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf import ops
+from jaxrlhf.algorithms import kl_terms
+from jaxrlhf.algorithms.common import accumulation_scale, response_hidden, response_logprobs
+from jaxrlhf.algorithms.ppo_rollout import on_actor
+from jaxrlhf.models.transformer import Transformer
+
+if TYPE_CHECKING:  # annotations only: ppo imports this module
+    from jaxrlhf.algorithms.ppo import PPOConfig
+
+
+def ppo_loss(
+    params: dict,
+    batch: dict,
+    *,
+    actor_model: Transformer,
+    critic_model: Transformer | None,
+    cfg: PPOConfig,
+    beta: float | jax.Array = 0.0,
+) -> tuple[jax.Array, dict]:
+    """The PPO objective on one (mini/micro)batch, not yet weighted for accumulation:
+
+        loss = policy_loss(logp, old_logp, A) + vf_coef·value_loss(V, V_old, R) − ent_coef·agg(H)
+               [+ β·agg(kl(logp, ref_logp))   with cfg.kl_in == "loss", `kl_terms.loss_term`]
+
+    params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
+    batch: sequences, attention_mask `[n, P+T]`; response_mask, old_logp, old_values,
+      advantages, returns `[n, T]`; ref_logp `[n, T]` with `kl_in="loss"`.
+    beta: this iteration's β (the KL controller's), used only with `kl_in="loss"`.
+    """
+    seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["response_mask"]
+    prompt_len = seq.shape[1] - mask.shape[1]
+    logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
+                                          temperature=cfg.sampling.temperature, with_entropy=True)
+    if not cfg.shared:
+        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len)
+    pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
+                             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
+    vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
+                            clip=cfg.vf_clip, agg=cfg.agg, norm_len=cfg.norm_len)
+    entropy = ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.norm_len)
+    loss = pg + cfg.vf_coef * vl
+    if cfg.ent_coef:
+        loss = loss - cfg.ent_coef * entropy
+    metrics = dict(loss=loss, policy_loss=pg, value_loss=vl, entropy=entropy, clipfrac=pm["clipfrac"],
+                   approx_kl=pm["approx_kl"], ratio_mean=pm["ratio_mean"], ratio_min=pm["ratio_min"],
+                   ratio_max=pm["ratio_max"], value_clipfrac=vm["clipfrac"], value_mean=vm["value_mean"])
+    if cfg.kl_in == "loss":
+        kl_loss = kl_terms.loss_term(ops.kl(logp, batch["ref_logp"], estimator=cfg.kl_estimator), mask, beta,
+                                     agg=cfg.agg, norm_len=cfg.norm_len)
+        loss = loss + kl_loss
+        metrics.update(loss=loss, kl_loss=kl_loss)
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+_LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy", "kl_loss")
+_TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
+
+
+def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, beta=0.0):
+    """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`).
+
+    The metrics are weighted too, so that `accumulate_gradients`' plain mean over
+    micro-batches gives the minibatch's values: losses by the same share as the loss,
+    token means by the micro-batch's share of tokens. (`ratio_min/max` are extremes,
+    which `accumulate_gradients` combines as such.)
+    """
+    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg, beta=beta)
+    mask = batch["response_mask"]
+    scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
+    if cfg.num_microbatches > 1:
+        n = cfg.num_microbatches
+        token_share = jnp.sum(mask, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
+        metrics = {k: v * (scale * n if k in _LOSS_METRICS else token_share * n if k in _TOKEN_METRICS else 1.0)
+                   for k, v in metrics.items()}
+    return loss * scale, metrics
+
+
+__all__ = ["loss_fn", "ppo_loss"]
