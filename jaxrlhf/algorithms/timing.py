@@ -84,12 +84,14 @@ def split_metrics(rollout_s: float, scoring_s: float, update_s: float, tokens: f
 
 
 def run_split(rollout: Callable, score: Callable, train: Callable, state, prompt_ids, prompt_mask, extras, rng, *,
-              host: Callable | None = None) -> tuple[Any, dict]:
+              host: Callable | None = None, cut: Callable | None = None) -> tuple[Any, dict]:
     """One RL step as three jitted programs (a `Split`'s parts, jitted by the caller), each
     waited for before the next starts, so that their wall-clock times are theirs.
 
     `host(out) -> {name: [N]}` scores the responses on the host (a Python reward) between
     the rollout and `score`; its time is `time/host_reward_s`, inside `time/scoring_s`.
+    `cut(out) -> out` edits the responses on the host before they are scored (stop
+    strings, `rollout.stop_strings`); its time is inside `time/scoring_s` too.
     Returns `(state, {**score metrics, **train metrics, **split_metrics(...)})`.
     """
     t0 = time.perf_counter()
@@ -97,6 +99,8 @@ def run_split(rollout: Callable, score: Callable, train: Callable, state, prompt
     t1 = time.perf_counter()
     extra = {}
     host_scores = {}
+    if cut is not None:
+        out = cut(out)
     if host is not None:
         host_scores = host(out)
         extra[HOST_REWARD_S] = time.perf_counter() - t1

@@ -4,6 +4,12 @@ SFT examples (`sft_from_records`) and preference pairs (`pairs_from_records`).
 Every problem with a record becomes a `DataError` that names where it is (`file:line`),
 which field, and why. With `on_error="skip"` bad records are dropped instead and counted
 per reason in a `SkipReport`; the reason names are those in `REASONS`.
+
+A prompt longer than `max_prompt_tokens` follows `long_prompts` (`LONG_PROMPTS`): "drop"
+makes it a `too_long` bad record (dropped and counted, or an error with
+`on_error="raise"`); "left_truncate" keeps its last `max_prompt_tokens` tokens (a leading
+BOS kept), so that its end, the chat template's generation prompt, survives, and counts
+it in the report's `truncated`. Either way the log says how many.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from jaxrlhf.data.char_tokenizer import CharTokenizer
 REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_key", "wrong_type", "empty", "untokenizable",
            "too_long", "no_assistant_turn", "bad_template")
 _MAX_KEPT_MESSAGES = 5
+LONG_PROMPTS = ("drop", "left_truncate")
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +41,12 @@ class DataError(ValueError):
 
 @dataclasses.dataclass
 class SkipReport:
-    """What `on_error="skip"` dropped: counts per reason and the first few messages."""
+    """What `on_error="skip"` dropped: counts per reason and the first few messages; and
+    `truncated`, the prompts kept with their first tokens cut (`long_prompts="left_truncate"`)."""
 
     counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     messages: list[str] = dataclasses.field(default_factory=list)
+    truncated: int = 0
 
     @property
     def total(self) -> int:
@@ -51,13 +60,15 @@ class SkipReport:
     def merge(self, other: "SkipReport") -> None:
         """Adds `other`'s counts and (up to the kept few) messages: one report of several sources."""
         self.counts.update(other.counts)
+        self.truncated += other.truncated
         self.messages.extend(other.messages[:max(0, _MAX_KEPT_MESSAGES - len(self.messages))])
 
     def __str__(self) -> str:
+        cut = f"; left-truncated {self.truncated} prompts" if self.truncated else ""
         if not self.total:
-            return "no records skipped"
+            return "no records skipped" + cut
         per_reason = ", ".join(f"{r}: {n}" for r, n in sorted(self.counts.items()))
-        return f"skipped {self.total} records ({per_reason}); first: " + " | ".join(self.messages)
+        return f"skipped {self.total} records ({per_reason}){cut}; first: " + " | ".join(self.messages)
 
 
 class PromptData(NamedTuple):
@@ -158,27 +169,42 @@ def _chat(value, key, location, system_prompt) -> list[dict[str, str]]:
     return messages
 
 
-def _render(fn, *args, key, location):
-    """`fn(*args)` of `chat`, its ValueError (or the template's own error) a DataError."""
+def _render(fn, *args, key, location, template_kwargs):
+    """`fn(*args, template_kwargs=...)` of `chat`, its ValueError (or the template's own
+    error) a DataError."""
     try:
-        return fn(*args)
+        return fn(*args, template_kwargs=template_kwargs)
     except Exception as e:  # jinja2's TemplateError, or chat's ValueError
         raise DataError(location, key, "bad_template", f"chat template: {e}") from None
 
 
-def _prompt(tokenizer, value, key, location, *, chat_template, system_prompt, max_tokens):
-    """(text, ids) of one prompt, chat-templated if asked, checked against `max_tokens`."""
+def _prompt(tokenizer, value, key, location, *, chat_template, system_prompt, max_tokens, long_prompts,
+            template_kwargs):
+    """(text, ids, truncated) of one prompt, chat-templated if asked, fitted to `max_tokens`
+    (`_fit_prompt`)."""
     if chat_template:
         messages = _chat(value, key, location, system_prompt)
-        text = _render(chat.render, tokenizer, messages, True, key=key, location=location)
+        text = _render(chat.render, tokenizer, messages, True, key=key, location=location,
+                       template_kwargs=template_kwargs)
         ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
     else:
         if isinstance(value, list):
             raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
         text = _text(value, key, location)
         ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=True)
-    _check_len(ids, max_tokens, key, location, "max_prompt_tokens")
-    return text, ids
+    return (text, *_fit_prompt(tokenizer, ids, max_tokens, long_prompts, key, location))
+
+
+def _fit_prompt(tokenizer, ids, limit, long_prompts, key, location) -> tuple[list[int], bool]:
+    """(ids, truncated) of a prompt held to `limit` tokens (`max_prompt_tokens`; None: no
+    limit) by the `long_prompts` rule of the module docstring."""
+    if limit is None or len(ids) <= limit:
+        return ids, False
+    if long_prompts == "drop":
+        _check_len(ids, limit, key, location, "max_prompt_tokens")
+    bos = getattr(tokenizer, "bos_token_id", getattr(tokenizer, "bos_id", None))
+    head = ids[:1] if bos is not None and ids[0] == bos and limit > 1 else []
+    return head + ids[len(ids) - (limit - len(head)):], True
 
 
 def _encode_or_error(tokenizer, text, key, location, *, add_special_tokens):
@@ -193,9 +219,11 @@ def _check_len(ids, limit, key, location, limit_name):
         raise DataError(location, key, "too_long", f"has {len(ids)} tokens, more than {limit_name}={limit}")
 
 
-def _check_options(on_error: str, chat_template: bool, tokenizer: Any) -> None:
+def _check_options(on_error: str, chat_template: bool, tokenizer: Any, long_prompts: str) -> None:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if long_prompts not in LONG_PROMPTS:
+        raise ValueError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
     if chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"chat_template=True but the tokenizer ({type(tokenizer).__name__}) has no chat template")
@@ -205,7 +233,8 @@ def _collect(records: Records, parse: Any, *, on_error: str, source: str):
     """`(columns, report)` of the rows `parse(record, location) -> {column: value}` accepts.
 
     A record that is itself a reading error, or whose `parse` raises `DataError`, stops
-    the run (`on_error="raise"`) or is counted in the report and skipped.
+    the run (`on_error="raise"`) or is counted in the report and skipped. A row's
+    `truncated` flag (a left-truncated prompt) is counted in the report, not kept.
     """
     report = SkipReport()
     cols = collections.defaultdict(list)
@@ -219,9 +248,10 @@ def _collect(records: Records, parse: Any, *, on_error: str, source: str):
                 raise
             report.add(e)
             continue
+        report.truncated += int(row.pop("truncated", False))
         for key, value in row.items():
             cols[key].append(value)
-    if report.total:
+    if report.total or report.truncated:
         log.warning("%s: %s", source, report)
     return cols, report
 
@@ -237,35 +267,43 @@ def prompts_from_records(
     system_prompt: str | None = None,
     on_error: str = "raise",
     source: str = "records",
+    long_prompts: str = "drop",
+    chat_template_kwargs: dict | None = None,
 ) -> PromptData:
     """Validates and tokenizes prompt (and answer) records; see the module docstring.
 
     A prompt is a non-empty string, or with `chat_template=True` also a list of chat
     messages; it is rendered with `tokenizer.apply_chat_template(...,
-    add_generation_prompt=True)`. An answer is a non-empty string or a number (kept as text).
+    add_generation_prompt=True, **chat_template_kwargs)`. An answer is a non-empty string
+    or a number (kept as text). A prompt over `max_prompt_tokens` follows `long_prompts`
+    (the module docstring).
     """
-    _check_options(on_error, chat_template, tokenizer)
+    _check_options(on_error, chat_template, tokenizer, long_prompts)
+    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs)
 
     def parse(record, location):
-        text, ids = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
-                            chat_template=chat_template, system_prompt=system_prompt, max_tokens=max_prompt_tokens)
+        text, ids, truncated = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
+                                       chat_template=chat_template, system_prompt=system_prompt,
+                                       max_tokens=max_prompt_tokens, **fit)
         answer = None
         if answer_key is not None:
             answer = _text(_field(record, answer_key, location), answer_key, location, numbers_ok=True)
         fields = {k: v for k, v in record.items() if k != prompt_key}
-        return dict(prompt_text=text, prompt_ids=ids, answer=answer, location=location, fields=fields)
+        return dict(prompt_text=text, prompt_ids=ids, answer=answer, location=location, fields=fields,
+                    truncated=truncated)
 
     cols, report = _collect(records, parse, on_error=on_error, source=source)
     return PromptData(**{f: cols[f] for f in PromptData._fields if f != "skipped"}, skipped=report)
 
 
-def _response(tokenizer, value, key, location, *, prompt, chat_template, max_tokens):
+def _response(tokenizer, value, key, location, *, prompt, chat_template, max_tokens, template_kwargs):
     """(text, ids) of one response: plain text (no special tokens), or with a chat template
     the template's rendering of it as the assistant turn(s) after `prompt` (messages)."""
     if chat_template:
         turns = [{"role": "assistant", "content": _text(value, key, location)}] if isinstance(value, str) else (
             _messages(value, key, location))
-        text = _render(chat.response_text, tokenizer, prompt, turns, key=key, location=location)
+        text = _render(chat.response_text, tokenizer, prompt, turns, key=key, location=location,
+                       template_kwargs=template_kwargs)
     else:
         if isinstance(value, list):
             raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
@@ -299,12 +337,15 @@ def pairs_from_records(
     system_prompt: str | None = None,
     on_error: str = "raise",
     source: str = "records",
+    long_prompts: str = "drop",
+    chat_template_kwargs: dict | None = None,
 ) -> PairData:
     """Validates and tokenizes preference-pair records, in TRL's layouts: `prompt`,
     `chosen`, `rejected` strings; with `chat_template=True` also message lists (the
     prompt's turns, and `chosen` / `rejected` the assistant turn(s) after it), or, without
     a prompt field, `chosen` / `rejected` as whole chats differing in their last turn."""
-    _check_options(on_error, chat_template, tokenizer)
+    _check_options(on_error, chat_template, tokenizer, long_prompts)
+    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs)
 
     def parse(record, location):
         implicit = chat_template and isinstance(record, dict) and prompt_key not in record and isinstance(
@@ -312,20 +353,22 @@ def pairs_from_records(
         if implicit:
             turns, chosen, rejected = _implicit_prompt(record, chosen_key, rejected_key, location)
             messages = _chat(turns, chosen_key, location, system_prompt)
-            text = _render(chat.render, tokenizer, messages, True, key=chosen_key, location=location)
+            text = _render(chat.render, tokenizer, messages, True, key=chosen_key, location=location,
+                           template_kwargs=chat_template_kwargs)
             ids = _encode_or_error(tokenizer, text, chosen_key, location, add_special_tokens=False)
-            _check_len(ids, max_prompt_tokens, chosen_key, location, "max_prompt_tokens")
+            ids, truncated = _fit_prompt(tokenizer, ids, max_prompt_tokens, long_prompts, chosen_key, location)
             values = {chosen_key: chosen, rejected_key: rejected}
         else:
             value = _field(record, prompt_key, location)
-            text, ids = _prompt(tokenizer, value, prompt_key, location, chat_template=chat_template,
-                                system_prompt=system_prompt, max_tokens=max_prompt_tokens)
+            text, ids, truncated = _prompt(tokenizer, value, prompt_key, location, chat_template=chat_template,
+                                           system_prompt=system_prompt, max_tokens=max_prompt_tokens, **fit)
             messages = _chat(value, prompt_key, location, system_prompt) if chat_template else None
             values = {key: _field(record, key, location) for key in (chosen_key, rejected_key)}
-        row = dict(prompt_text=text, prompt_ids=ids, location=location)
+        row = dict(prompt_text=text, prompt_ids=ids, location=location, truncated=truncated)
         for name, key in (("chosen", chosen_key), ("rejected", rejected_key)):
             resp, resp_ids = _response(tokenizer, values[key], key, location, prompt=messages,
-                                       chat_template=chat_template, max_tokens=max_response_tokens)
+                                       chat_template=chat_template, max_tokens=max_response_tokens,
+                                       template_kwargs=chat_template_kwargs)
             row.update({f"{name}_text": resp, f"{name}_ids": resp_ids})
         return row
 
@@ -347,6 +390,8 @@ def sft_from_records(
     eos_id: int | None = None,
     on_error: str = "raise",
     source: str = "records",
+    long_prompts: str = "drop",
+    chat_template_kwargs: dict | None = None,
 ) -> SFTData:
     """Validates and tokenizes SFT records, in TRL's layouts: a `messages` chat (needs
     `chat_template=True`), learnt on its assistant turns only (`chat.turn_pieces`: each
@@ -354,7 +399,8 @@ def sft_from_records(
     by what the model must write); or `prompt` / `completion` (strings, or with a chat
     template message lists), learnt on the completion: plain text gets `eos_id` appended,
     templated text ends with the template's end-of-turn marker."""
-    _check_options(on_error, chat_template, tokenizer)
+    _check_options(on_error, chat_template, tokenizer, long_prompts)
+    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs)
 
     def parse(record, location):
         if isinstance(record, dict) and messages_key in record:
@@ -366,23 +412,24 @@ def sft_from_records(
             key = completion_key
             prompt, completion = (_field(record, k, location) for k in (prompt_key, completion_key))
             if not chat_template:
-                text, ids = _prompt(tokenizer, prompt, prompt_key, location, chat_template=False,
-                                    system_prompt=None, max_tokens=max_prompt_tokens)
+                text, ids, truncated = _prompt(tokenizer, prompt, prompt_key, location, chat_template=False,
+                                               system_prompt=None, max_tokens=max_prompt_tokens, **fit)
                 answer = _text(completion, completion_key, location)
                 resp = _encode_or_error(tokenizer, answer, completion_key, location, add_special_tokens=False)
                 resp += [] if eos_id is None else [eos_id]
                 _check_len(resp, max_response_tokens, completion_key, location, "max_response_tokens")
                 return dict(prompt_text=text, prompt_ids=ids, response_ids=resp, loss_mask=[True] * len(resp),
-                            answer=answer, location=location)
+                            answer=answer, location=location, truncated=truncated)
             turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
             messages = _chat(prompt, prompt_key, location, system_prompt) + _messages(turns, completion_key, location)
-        pieces = _render(chat.turn_pieces, tokenizer, messages, key=key, location=location)
+        pieces = _render(chat.turn_pieces, tokenizer, messages, key=key, location=location,
+                         template_kwargs=chat_template_kwargs)
         first = next((i for i, (_, assistant) in enumerate(pieces) if assistant), None)
         if first is None:
             raise DataError(location, key, "no_assistant_turn", "has no assistant turn to learn")
         text = "".join(t for t, _ in pieces[:first])
         ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
-        _check_len(ids, max_prompt_tokens, key, location, "max_prompt_tokens")
+        ids, truncated = _fit_prompt(tokenizer, ids, max_prompt_tokens, long_prompts, key, location)
         resp, loss = [], []
         for piece, assistant in pieces[first:]:
             piece_ids = _encode_or_error(tokenizer, piece, key, location, add_special_tokens=False)
@@ -391,7 +438,7 @@ def sft_from_records(
         _check_len(resp, max_response_tokens, key, location, "max_response_tokens")
         answer = next(m["content"] for m in messages if m["role"] == "assistant")
         return dict(prompt_text=text, prompt_ids=ids, response_ids=resp, loss_mask=loss, answer=answer,
-                    location=location)
+                    location=location, truncated=truncated)
 
     cols, report = _collect(records, parse, on_error=on_error, source=source)
     return SFTData(**{f: cols[f] for f in SFTData._fields if f != "skipped"}, skipped=report)

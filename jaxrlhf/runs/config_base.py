@@ -43,22 +43,29 @@ def jsonl_task(**kw) -> mlc.ConfigDict:
     from `data_dir`, mixed with `seed`). `stop_tokens`: more tokens that end a response
     besides the tokenizer's EOS and the checkpoint's `generation_config.json`
     `eos_token_id`s (token strings or ids, comma-separated, e.g. "<|endoftext|>";
-    `tasks.text_stop_ids`)."""
+    `tasks.text_stop_ids`). `stop_strings`: text that ends a response, comma-separated
+    ("</answer>,\\n\\n") or a JSON list when one holds a comma; each response is cut on the
+    host after the first token at which its text contains one (`rollout.stop_strings`).
+    `chat_template_kwargs`: a JSON object of extra chat-template variables for every
+    rendering ('{"enable_thinking": false}'). `long_prompts`: a prompt over
+    `max_prompt_tokens` is "drop"ped (counted as too_long) or "left_truncate"d to its last
+    `max_prompt_tokens` tokens (counted); `data.records`."""
     return mlc.ConfigDict(dict(dict(
         name="jsonl", kind="prompts", path="", test_path="", data_dir="", seed=0, tokenizer_path="",
         prompt_key="question", answer_key="answer", messages_key="messages", completion_key="completion",
         chosen_key="chosen", rejected_key="rejected", max_prompt_tokens=256, max_response_tokens=512,
-        max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip", stop_tokens=""), **kw))
+        max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip", stop_tokens="", stop_strings="",
+        chat_template_kwargs="", long_prompts="drop"), **kw))
 
 
 def word_problems_task(**kw) -> mlc.ConfigDict:
     """Generated one-digit arithmetic questions in words for a Hugging Face chat model
     (`data.make_word_problems`); reward = exact answer + format_weight × "#### <n>" format;
-    `stop_tokens` as in `jsonl_task`."""
+    `stop_tokens`, `stop_strings`, `chat_template_kwargs`, `long_prompts` as in `jsonl_task`."""
     return mlc.ConfigDict(dict(dict(
         name="word_problems", tokenizer_path="", num_train=4000, num_test=200, seed=0, max_prompt_tokens=128,
         max_new_tokens=48, chat_template=True, system_prompt="Answer with '#### <number>'.", format_weight=0.0,
-        stop_tokens=""), **kw))
+        stop_tokens="", stop_strings="", chat_template_kwargs="", long_prompts="drop"), **kw))
 
 
 def reward(**kw) -> mlc.ConfigDict:

@@ -33,6 +33,7 @@ from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft, timin
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
+from jaxrlhf.rollout.sampler import SampleOutput
 from jaxrlhf.runs import policy_pairs, setup
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement, pad_rows
@@ -168,7 +169,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     reward = rewards_lib.as_reward(task.reward)
     # The task pads every prompt to one length already: no buckets.
     step = _rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
-                    keys, pool, gcfg.sampling)
+                    keys, pool, gcfg.sampling, task=task)
     monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy",
@@ -180,15 +181,16 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
 
 
 def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
-             rows: int, sampling):
+             rows: int, sampling, *, task: Task):
     """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
 
     With `train.time_split` (or a host reward, which needs the responses on the host before
     scoring) three timed programs, `timing.run_split`: a sharded rollout, the host reward
     on this process's responses, sharded scoring, a sharded update (state donated); the
-    metrics then carry `timing.RL_STEP`. Otherwise, with a pure-JAX reward, one sharded
-    program (`parts.fused`), untimed."""
-    if reward.is_jax and not train.time_split:
+    metrics then carry `timing.RL_STEP`. The task's stop strings (`Task.cut`) need the
+    responses on the host too: each process cuts its own after the rollout, before any
+    scoring. Otherwise, with a pure-JAX reward, one sharded program (`parts.fused`), untimed."""
+    if reward.is_jax and not train.time_split and not task.stop_strings:
         def fused(state, batch, rng):
             return parts.fused(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
         return _sharded_step(fused, placement, state_sh, rows)
@@ -222,6 +224,11 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
             return placement.global_batch(host, rows * sampling.num_samples)
         return score
 
+    def cut(out):
+        """This process's responses cut at the task's stop strings, as global arrays again."""
+        mine = task.cut(SampleOutput(*jax.tree.map(placement.local_rows, tuple(out))))
+        return SampleOutput(**placement.global_batch(mine._asdict(), rows * sampling.num_samples))
+
     rollout, score = rows_out("rollout", parts.rollout), rows_out("score", parts.score)
 
     def step(state, local, rng):
@@ -229,7 +236,8 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
         batch = placement.global_batch({k: v for k, v in local.items() if hasattr(v, "shape")}, rows)
         extras = {k: batch[k] for k in keys if k in batch}
         return timing.run_split(rollout, score, update, state, batch["prompt_ids"], batch["prompt_mask"], extras, rng,
-                                host=None if reward.is_jax else host_scores(local))
+                                host=None if reward.is_jax else host_scores(local),
+                                cut=cut if task.stop_strings else None)
 
     return step
 
@@ -471,7 +479,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     state, state_sh = placement.init_state(make, *args, roles=roles)
     parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
     step = _rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
-                    pcfg.sampling)
+                    pcfg.sampling, task=task)
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}

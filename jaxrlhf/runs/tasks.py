@@ -24,8 +24,9 @@ import numpy as np
 from jaxrlhf import data, rewards
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.runs.evaluation import SampledEval, sampled_metrics
+from jaxrlhf.rollout import stop_strings
 from jaxrlhf.rollout.continuous import sample_continuous
-from jaxrlhf.rollout.sampler import sample, until_stop
+from jaxrlhf.rollout.sampler import SampleOutput, sample, until_stop
 
 
 @dataclasses.dataclass
@@ -42,6 +43,8 @@ class Task:
     stop_ids: every token id that ends a response (`eos_id` first), what the samplers stop
       on and the rewards cut at: a text task adds its checkpoint's `generation_config.json`
       `eos_token_id` list and `task.stop_tokens` (`text_stop_ids`).
+    stop_strings: text that ends a response (`task.stop_strings`), cut on the host after
+      sampling (`cut`: the rule of `rollout.stop_strings`); () = none.
     """
 
     name: str
@@ -62,10 +65,18 @@ class Task:
     decode: Callable[[np.ndarray], str]
     final_answer: Callable[[np.ndarray, np.ndarray], list] | None = None
     stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.stop_ids:
             object.__setattr__(self, "stop_ids", (self.eos_id,))
+
+    def cut(self, out: SampleOutput) -> SampleOutput:
+        """Sampled responses (host arrays) cut at the task's stop strings
+        (`rollout.stop_strings.cut`); `out` itself when the task has none."""
+        if not self.stop_strings:
+            return out
+        return stop_strings.cut(out, self.tokenizer, self.stop_strings, pad_id=self.pad_id)
 
     def answers(self, response_ids_NxT, response_mask_NxT) -> list:
         """The final answer of each response (`final_answer`, or its default)."""
@@ -174,7 +185,8 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
     """A task on text prompts with reference answers: a Hugging Face tokenizer, and on the
     host the exact-answer reward (`data.final_answer_reward`, the evaluation's accuracy),
     plus `format_weight` × `data.answer_format_reward` when that weight is > 0. Responses
-    end at any of `text_stop_ids(tok, folder, cfg.stop_tokens)`."""
+    end at any of `text_stop_ids(tok, folder, cfg.stop_tokens)`, and are cut after the
+    first of `cfg.stop_strings` (`Task.cut`)."""
     if not train.prompt_ids or not test.prompt_ids:
         raise ValueError(f"{source}: no usable prompts (train: {train.skipped}; test: {test.skipped})")
     prompt_len = max(len(x) for x in train.prompt_ids + test.prompt_ids)
@@ -197,7 +209,7 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
         # what `final_answer_reward` compares: the extracted final answer of the text before EOS
         final_answer=lambda ids, mask: [data.extract_final_answer(tok.decode(v, skip_special_tokens=True))
                                         for v, _ in _until_eos(ids, mask, stops)],
-        stop_ids=stops)
+        stop_ids=stops, stop_strings=stop_strings.parse(cfg.get("stop_strings", "")))
 
 
 def _tokenizer(name: str, tokenizer_path: str):
@@ -215,10 +227,33 @@ def _tokenizer(name: str, tokenizer_path: str):
 KINDS = ("prompts", "sft", "pairs")
 
 
+def template_kwargs(value: str) -> dict:
+    """`task.chat_template_kwargs`, a JSON object string ('{"enable_thinking": false}'), as
+    the keyword arguments of every `apply_chat_template` call; "" = none."""
+    import json
+
+    if not value.strip():
+        return {}
+    try:
+        kwargs = json.loads(value)
+    except json.JSONDecodeError as e:
+        kwargs = e
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"task.chat_template_kwargs={value!r} is not a JSON object; give one, e.g. "
+                         """--config.task.chat_template_kwargs='{"enable_thinking": false}'""")
+    return kwargs
+
+
+def _record_options(cfg) -> dict:
+    """The options every records parser of a text task takes from its config section."""
+    return dict(max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
+                system_prompt=cfg.system_prompt or None, long_prompts=cfg.long_prompts,
+                chat_template_kwargs=template_kwargs(cfg.chat_template_kwargs))
+
+
 def _file_parser(cfg, tok, kind: str):
     """`parse(records, source)` of a `jsonl` task's rows of `kind`, the section's options bound."""
-    common = dict(max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
-                  system_prompt=cfg.system_prompt or None, on_error=cfg.on_error)
+    common = dict(_record_options(cfg), on_error=cfg.on_error)
     if kind == "prompts":
         return lambda records, source: data.prompts_from_records(
             records, tok, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, source=source, **common)
@@ -290,8 +325,7 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
         records = data.make_word_problems(num, split=split, seed=seed)
         return data.prompts_from_records(
             ((f"word_problems[{split}]:{i + 1}", r) for i, r in enumerate(records)), tok, prompt_key="question",
-            answer_key="answer", max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
-            system_prompt=cfg.system_prompt or None, source=f"word_problems[{split}]")
+            answer_key="answer", source=f"word_problems[{split}]", **_record_options(cfg))
 
     return _text_task("word_problems", tok, make(cfg.num_train, "train", cfg.seed),
                       make(cfg.num_test, "test", cfg.seed + 1), cfg, source="task.name='word_problems'",
@@ -368,7 +402,8 @@ def _prompt_batches(prompts: dict, prompts_per_batch: int, placement):
 def _make_scorer(task: Task, placement):
     """`score(out, batch, rows, repeat) -> (reward components [rows·repeat], out on the
     host)` of the first rows·repeat rows of `out`, the responses to the prompts of `batch`,
-    `repeat` per prompt: the JAX components on the mesh, the host ones on the decoded text."""
+    `repeat` per prompt, cut at the task's stop strings first (`Task.cut`): the JAX
+    components on the mesh, the host ones on the decoded text."""
     from jaxrlhf.runs.sharding import pad_rows
 
     device_scores = jax.jit(lambda out, extras: task.reward.device_scores(rewards.RewardInput.from_sample(out), extras),
@@ -380,6 +415,8 @@ def _make_scorer(task: Task, placement):
         if arrays:
             arrays = placement.put_rows(pad_rows(arrays, out.response_ids.shape[0]))
         n = rows * repeat
+        if task.stop_strings:  # every process holds every row (`out` is replicated): each cuts them all
+            out = SampleOutput(**placement.put_rows(task.cut(placement.fetch(out))._asdict()))
         parts = {k: np.asarray(v)[:n] for k, v in placement.fetch(device_scores(out, arrays)).items()}
         out = jax.tree.map(lambda x: x[:n], placement.fetch(out))
         if not task.reward.is_jax:
