@@ -56,6 +56,7 @@ from jaxrlhf.algorithms.common import (
     accumulate_gradients,
     apply_if_finite,
     accumulation_scale,
+    dropout_key,
     jit_keeping_frozen,
     minibatch_scan,
     response_hidden,
@@ -342,6 +343,7 @@ def ppo_loss(
     actor_model: Transformer,
     critic_model: Transformer | None,
     cfg: PPOConfig,
+    actor_dropout_rng: jax.Array | None = None, critic_dropout_rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The PPO objective on one (mini/micro)batch, not yet weighted for accumulation:
 
@@ -350,13 +352,16 @@ def ppo_loss(
     params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
     batch: sequences, attention_mask `[n, P+T]`; response_mask, old_logp, old_values,
       advantages, returns `[n, T]`.
+    actor/critic_dropout_rng: that role's LoRA adapter dropout (`common.dropout_key`) or None.
     """
     seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["response_mask"]
     prompt_len = seq.shape[1] - mask.shape[1]
     logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
-                                          temperature=cfg.sampling.temperature, with_entropy=True)
+                                          temperature=cfg.sampling.temperature, with_entropy=True,
+                                          dropout_rng=actor_dropout_rng)
     if not cfg.shared:
-        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len)
+        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len,
+                                    dropout_rng=critic_dropout_rng)
     pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
@@ -375,7 +380,7 @@ _LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy")
 _TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
 
 
-def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs):
+def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, **dropout_rngs):
     """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`).
 
     The metrics are weighted too, so that `accumulate_gradients`' plain mean over
@@ -383,7 +388,7 @@ def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, tota
     token means by the micro-batch's share of tokens. (`ratio_min/max` are extremes,
     which `accumulate_gradients` combines as such.)
     """
-    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg)
+    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg, **dropout_rngs)
     mask = batch["response_mask"]
     scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
     if cfg.num_microbatches > 1:
@@ -430,7 +435,9 @@ def update(
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
                                total_tokens=total_tokens, total_seqs=mb_size)
         params = {"actor": actor.params, "critic": None if critic is None else critic.params}
-        loss, metrics, grads = accumulate_gradients(lambda p, b, _: lf(p, b), params, mb,
+        keys = lambda i: dict(actor_dropout_rng=dropout_key(actor_model.config, rng, actor.step, i), critic_dropout_rng=
+                              None if cfg.shared else dropout_key(critic_model.config, rng, actor.step, i, role=1))
+        loss, metrics, grads = accumulate_gradients(lambda p, b, i: lf(p, b, **keys(i)), params, mb,
                                                     num_microbatches=cfg.num_microbatches)
         finite = tree_finite(grads) & jnp.isfinite(loss)
         new_actor, _ = apply_if_finite(actor, grads["actor"], tx_actor, loss, finite)
