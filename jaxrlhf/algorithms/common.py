@@ -87,8 +87,26 @@ def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, opta
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw), schedule
 
 
+def dropout_key(config: ModelConfig, rng: jax.Array, step: jax.Array, index: jax.Array, role: int = 0
+                ) -> jax.Array | None:
+    """The LoRA adapter-dropout key of micro-batch `index` of optimizer step `step` (fresh
+    masks every step and micro-batch; `role` sets apart models trained in one step, PPO's
+    actor 0 and critic 1, whose layers have the same names), or None when `config` has no
+    adapter dropout (`lora.dropout = 0`): nothing is then threaded into the model and the
+    compiled training step is the one without dropout."""
+    if config.lora is None or config.lora.dropout == 0:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, step), index), role)
+
+
+def _dropout_rngs(dropout_rng: jax.Array | None, part: int = 0) -> dict | None:
+    """`model.apply`'s `rngs` for adapter dropout: None (off) or `{"dropout": key}`, the
+    key folded with `part` where one forward pass applies the model more than once."""
+    return None if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, part)}
+
+
 def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_BxL, prompt_len: int, *,
-                    group_size: int = 1):
+                    group_size: int = 1, dropout_rng: jax.Array | None = None):
     """Hidden states (and scalar-head values) aligned with the response tokens.
 
     Response token `t` sits at `P + t`; the state that predicts it (its logits, and the
@@ -99,6 +117,9 @@ def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_Bx
     same prompt (the layout of `num_samples = G` rollouts): each prompt then runs once and
     its G responses attend to its keys and values (`shared_prompt_hidden`), the same
     numbers up to float rounding with `(P + T)·G → P + T·G` tokens through the layers.
+
+    `dropout_rng`: a training loss's `dropout_key`, turning LoRA adapter dropout on (None:
+    off, as in sampling, scoring and the reference).
     """
     if group_size > 1:
         b = sequences_BxL.shape[0]
@@ -107,21 +128,26 @@ def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_Bx
         p = prompt_len
         return shared_prompt_hidden(
             model, params, sequences_BxL[::group_size, :p], attention_mask_BxL[::group_size, :p],
-            sequences_BxL[:, p:], attention_mask_BxL[:, p:], expand=lambda x: jnp.repeat(x, group_size, axis=0))
-    out = model.apply({"params": params}, sequences_BxL, attention_mask_BxL, compute_logits=False)
+            sequences_BxL[:, p:], attention_mask_BxL[:, p:], expand=lambda x: jnp.repeat(x, group_size, axis=0),
+            dropout_rng=dropout_rng)
+    out = model.apply({"params": params}, sequences_BxL, attention_mask_BxL, compute_logits=False,
+                      rngs=_dropout_rngs(dropout_rng))
     hidden = out.hidden[:, prompt_len - 1:-1]
     values = None if out.values is None else out.values[:, prompt_len - 1:-1]
     return hidden, values
 
 
 def shared_prompt_hidden(model: Transformer, params, prompt_ids_BxP, prompt_mask_BxP, response_ids_NxT,
-                         response_mask_NxT, *, expand: Callable[[jax.Array], jax.Array]):
+                         response_mask_NxT, *, expand: Callable[[jax.Array], jax.Array],
+                         dropout_rng: jax.Array | None = None):
     """`response_hidden` for N responses to B < N prompts, running each prompt once.
 
     The prompts (left-padded) fill the first P slots of a KV cache; `expand` maps any
     `[B, ...]` prompt-side array to the N response rows (`jnp.repeat(x, G, 0)` for groups
     of G, `jnp.concatenate([x, x])` for DPO's chosen-then-rejected rows); the responses then
-    run on the expanded cache. Differentiable like the plain forward pass.
+    run on the expanded cache. Differentiable like the plain forward pass. `dropout_rng`:
+    adapter dropout on, as in `response_hidden` (the prompt and response passes draw
+    different masks).
 
     Returns `(hidden [N, T, D], values [N, T] or None)`, aligned as in `response_hidden`.
     """
@@ -130,9 +156,11 @@ def shared_prompt_hidden(model: Transformer, params, prompt_ids_BxP, prompt_mask
     apply = functools.partial(model.apply, {"params": params}, compute_logits=False)
     prompt_mask_BxP = prompt_mask_BxP.astype(bool)
     slots_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, t), bool)], axis=1)
-    pre = apply(prompt_ids_BxP, slots_BxS, cache=init_cache(model.config, b, p + t), cache_index=0)
+    pre = apply(prompt_ids_BxP, slots_BxS, cache=init_cache(model.config, b, p + t), cache_index=0,
+                rngs=_dropout_rngs(dropout_rng, 0))
     attn_NxS = jnp.concatenate([expand(prompt_mask_BxP), response_mask_NxT.astype(bool)], axis=1)
-    out = apply(response_ids_NxT, attn_NxS, cache=jax.tree.map(expand, pre.cache), cache_index=p)
+    out = apply(response_ids_NxT, attn_NxS, cache=jax.tree.map(expand, pre.cache), cache_index=p,
+                rngs=_dropout_rngs(dropout_rng, 1))
     # The last prompt token's state predicts response token 0.
     hidden = jnp.concatenate([expand(pre.hidden[:, -1:]), out.hidden[:, :-1]], axis=1)
     values = None
@@ -151,6 +179,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     group_size: int = 1,
+    dropout_rng: jax.Array | None = None,
 ):
     """Per-token log-probs (and entropy) of the response part of `sequences`.
 
@@ -160,12 +189,13 @@ def response_logprobs(
       prompt_len: P (static).
       group_size: G > 1 when rows come in groups of G with the same prompt: each prompt
         runs once (see `response_hidden`).
+      dropout_rng: LoRA adapter dropout on (a training loss's `dropout_key`); None: off.
 
     Returns: `(logp [B, T], entropy [B, T] or None, values [B, T] or None)`, float32; the
       LM head is applied only to the `T` response-predicting positions.
     """
     hidden_BxTxD, values = response_hidden(model, params, sequences_BxL, attention_mask_BxL, prompt_len,
-                                           group_size=group_size)
+                                           group_size=group_size, dropout_rng=dropout_rng)
     logp, ent = hidden_logprobs(model, params, hidden_BxTxD, sequences_BxL[:, prompt_len:],
                                 temperature=temperature, with_entropy=with_entropy)
     return logp, ent, values
@@ -340,30 +370,31 @@ def summarize_steps(stacked: dict, *, skipped: str, first: dict[str, str]) -> di
 
 
 def make_row_mean_step(
-    loss_fn: Callable[[PyTree, PyTree], tuple[jax.Array, dict]],
+    loss_fn: Callable[..., tuple[jax.Array, dict]],
     tx: optax.GradientTransformation,
     *,
     keys: tuple[str, ...],
     num_microbatches: int,
+    model_config: ModelConfig,
     check: Callable[[PyTree], None] | None = None,
 ):
     """`step(state, batch, rng) -> (state, metrics)` for a loss that is a mean over rows.
 
-    `loss_fn(params, batch) -> (loss, metrics)` (e.g. DPO or Bradley–Terry over pairs). Each
+    `loss_fn(params, batch, dropout_rng=...) -> (loss, metrics)` (e.g. DPO or Bradley–Terry
+    over pairs); `dropout_rng` is `dropout_key(model_config, rng, state.step, micro-batch)`,
+    None without adapter dropout. Each
     micro-batch's mean is weighted by its share of the rows, so accumulation reproduces the
     full-batch loss exactly; a non-finite update is skipped (`apply_if_finite`). Only
     `keys` of the batch enter the step; `check(batch)` validates it first. Metrics: those
     of `loss_fn` (averaged over micro-batches), `loss`, `grad_norm`, `finite`.
     """
     def step(state: TrainState, batch: PyTree, rng: jax.Array):
-        del rng
         if check is not None:
             check(batch)
         total_rows = batch[keys[0]].shape[0]
 
         def micro_loss(params, mb, index):
-            del index
-            loss, metrics = loss_fn(params, mb)
+            loss, metrics = loss_fn(params, mb, dropout_rng=dropout_key(model_config, rng, state.step, index))
             return loss * (mb[keys[0]].shape[0] / total_rows), metrics
 
         loss, metrics, grads = accumulate_gradients(micro_loss, state.params, {k: batch[k] for k in keys},

@@ -131,22 +131,24 @@ def pair_sequences(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array, int]:
     return sequences, attention_mask, response_mask, prompt_ids.shape[1]
 
 
-def pair_logprobs(model: Transformer, params, batch: Batch, *, share_prompt: bool = True
-                  ) -> tuple[jax.Array, jax.Array]:
+def pair_logprobs(model: Transformer, params, batch: Batch, *, share_prompt: bool = True,
+                  dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Sequence log-probs `(chosen [B], rejected [B])` in one forward pass of `2B` rows.
 
     With `share_prompt` (default) each prompt runs once and both of its responses attend
     to its keys and values (`common.shared_prompt_hidden`): the same numbers up to float
-    rounding, `2(P + T) → P + 2T` tokens per pair through the layers.
+    rounding, `2(P + T) → P + 2T` tokens per pair through the layers. `dropout_rng`: LoRA
+    adapter dropout on (training only, `common.dropout_key`).
     """
     sequences, attention_mask, response_mask, p = pair_sequences(batch)
     if share_prompt:
         hidden, _ = common.shared_prompt_hidden(
             model, params, batch["prompt_ids"], batch["prompt_mask"], sequences[:, p:], response_mask,
-            expand=lambda x: jnp.concatenate([x, x]))
+            expand=lambda x: jnp.concatenate([x, x]), dropout_rng=dropout_rng)
         logp_2BxT, _ = common.hidden_logprobs(model, params, hidden, sequences[:, p:])
     else:
-        logp_2BxT, _, _ = common.response_logprobs(model, params, sequences, attention_mask, p)
+        logp_2BxT, _, _ = common.response_logprobs(model, params, sequences, attention_mask, p,
+                                                 dropout_rng=dropout_rng)
     seq_logp_2B = ops.sequence_logprobs(logp_2BxT, response_mask)
     b = batch["prompt_ids"].shape[0]
     return seq_logp_2B[:b], seq_logp_2B[b:]
@@ -191,7 +193,8 @@ def precompute_reference_logprobs(
     return out
 
 
-def loss_fn(params, batch: Batch, *, model: Transformer, cfg: DPOConfig) -> tuple[jax.Array, dict]:
+def loss_fn(params, batch: Batch, *, model: Transformer, cfg: DPOConfig,
+            dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """`ops.dpo_loss` of the policy's sequence log-probs against the precomputed reference,
     plus the RPO term when `cfg.nll_coef = α > 0`:
 
@@ -203,9 +206,9 @@ def loss_fn(params, batch: Batch, *, model: Transformer, cfg: DPOConfig) -> tupl
     Metrics (means over pairs): `reward_accuracy` (fraction with margin > 0), `margin`
     (`z = β((π_c − ref_c) − (π_r − ref_r))`), `chosen_reward`, `rejected_reward`,
     `chosen_logp`, `rejected_logp`, `chosen_nll` (`nll_i`, reported whatever α) and
-    `dpo_loss` (the loss without the RPO term).
+    `dpo_loss` (the loss without the RPO term). `dropout_rng`: LoRA adapter dropout on.
     """
-    chosen_logp, rejected_logp = pair_logprobs(model, params, batch)
+    chosen_logp, rejected_logp = pair_logprobs(model, params, batch, dropout_rng=dropout_rng)
     loss, metrics = ops.dpo_loss(chosen_logp, rejected_logp, batch["ref_chosen_logp"], batch["ref_rejected_logp"],
                                  beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
     tokens_B = jnp.maximum(jnp.sum(batch["chosen_mask"], axis=1), 1).astype(jnp.float32)
@@ -223,7 +226,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: D
     """`step(state, batch, rng) -> (state, metrics)`, a pure function (not jitted).
 
     Jit it yourself, e.g. `jax.jit(step, donate_argnums=0)` (or `jit_train_step`); `rng`
-    is unused and kept for the common step signature. The batch must carry the reference
+    draws the LoRA adapter-dropout masks (`common.dropout_key`; unused without). The batch must carry the reference
     log-probs (`precompute_reference_logprobs`).
 
     Metrics: those of `loss_fn` (averaged over micro-batches), `loss`, `grad_norm` (before
@@ -231,7 +234,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: D
     """
     n = cfg.num_microbatches
     return common.make_row_mean_step(functools.partial(loss_fn, model=model, cfg=cfg), tx,
-                                     keys=PAIR_KEYS + REF_KEYS, num_microbatches=n,
+                                     keys=PAIR_KEYS + REF_KEYS, num_microbatches=n, model_config=model.config,
                                      check=lambda batch: check_pairs(batch, num_microbatches=n))
 
 

@@ -182,6 +182,7 @@ def loss_fn(
     total_seqs: int | None = None,
     group_size: int = 1,
     beta: float | jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The GRPO-family loss of one (micro)batch:
 
@@ -192,6 +193,7 @@ def loss_fn(
     `cfg.beta`). Given `total_tokens` (valid
     tokens of the whole minibatch) and `total_seqs`, the loss is scaled to this chunk's
     share of the minibatch loss (`common.accumulation_scale`), for accumulation.
+    `dropout_rng`: LoRA adapter dropout on (`common.dropout_key`; None: off).
 
     Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `pg_loss`, `clipfrac`,
     `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl` when the batch has reference
@@ -202,7 +204,7 @@ def loss_fn(
     mask = batch.response_mask.astype(bool)
     logp, ent, _ = common.response_logprobs(model, params, batch.sequences, batch.attention_mask, p,
                                             temperature=cfg.sampling.temperature, with_entropy=True,
-                                            group_size=group_size)
+                                            group_size=group_size, dropout_rng=dropout_rng)
     old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
     ratio_logp = importance_logp(logp, old_logp, mask, level=cfg.ratio_level)
     agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len)
@@ -237,7 +239,8 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     """μ passes × `num_minibatches` optimizer steps on one rollout batch, in one `lax.scan`,
     with the state's β (`current_beta`).
 
-    Each pass shuffles the rows (with `rng`) into minibatches; each minibatch's gradient is
+    Each pass shuffles the rows (with `rng`, which also draws the LoRA adapter-dropout masks
+    of each step and micro-batch: `common.dropout_key`) into minibatches; each minibatch's gradient is
     accumulated over `num_microbatches` chunks. A step whose gradient is not finite is
     skipped (parameters and optimizer state kept); `finite` is False if any was.
 
@@ -259,7 +262,8 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
                                        total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1),
-                                       beta=current_beta(state, cfg))
+                                       beta=current_beta(state, cfg),
+                                       dropout=functools.partial(common.dropout_key, model.config, rng, policy.step))
         loss, metrics, grads = common.accumulate_gradients(chunk_loss, policy.params, mb, num_microbatches=k)
         policy, finite = common.apply_if_finite(policy, grads, tx, loss)
         return policy, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), finite=finite)
@@ -271,10 +275,9 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     return state.replace(policy=policy), metrics
 
 
-def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, group_size, beta):
-    del index
+def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, group_size, beta, dropout):
     return loss_fn(params, chunk, cfg, model=model, total_tokens=total_tokens, total_seqs=total_seqs,
-                   group_size=group_size, beta=beta)
+                   group_size=group_size, beta=beta, dropout_rng=dropout(index))
 
 
 # --------------------------------------------------------------------------- iteration

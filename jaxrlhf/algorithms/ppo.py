@@ -55,6 +55,7 @@ from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
     apply_if_finite,
+    dropout_key,
     jit_keeping_frozen,
     minibatch_scan,
     summarize_steps,
@@ -375,7 +376,13 @@ def update(
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
                                total_tokens=total_tokens, total_seqs=mb_size, beta=state.kl_ctl.beta)
         params = {"actor": actor.params, "critic": None if critic is None else critic.params}
-        loss, metrics, grads = accumulate_gradients(lambda p, b, _: lf(p, b), params, mb,
+
+        def keys(i):  # each role's LoRA dropout key for micro-batch i (None: off)
+            critic_key = None if cfg.shared else dropout_key(critic_model.config, rng, actor.step, i, role=1)
+            return dict(actor_dropout_rng=dropout_key(actor_model.config, rng, actor.step, i),
+                        critic_dropout_rng=critic_key)
+
+        loss, metrics, grads = accumulate_gradients(lambda p, b, i: lf(p, b, **keys(i)), params, mb,
                                                     num_microbatches=cfg.num_microbatches)
         finite = tree_finite(grads) & jnp.isfinite(loss)
         new_actor, _ = apply_if_finite(actor, grads["actor"], tx_actor, loss, finite)

@@ -26,6 +26,8 @@ def ppo_loss(
     critic_model: Transformer | None,
     cfg: PPOConfig,
     beta: float | jax.Array = 0.0,
+    actor_dropout_rng: jax.Array | None = None,
+    critic_dropout_rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The PPO objective on one (mini/micro)batch, not yet weighted for accumulation:
 
@@ -36,13 +38,16 @@ def ppo_loss(
     batch: sequences, attention_mask `[n, P+T]`; response_mask, old_logp, old_values,
       advantages, returns `[n, T]`; ref_logp `[n, T]` with `kl_in="loss"`.
     beta: this iteration's β (the KL controller's), used only with `kl_in="loss"`.
+    actor/critic_dropout_rng: that role's LoRA adapter dropout (`common.dropout_key`) or None.
     """
     seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["response_mask"]
     prompt_len = seq.shape[1] - mask.shape[1]
     logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
-                                          temperature=cfg.sampling.temperature, with_entropy=True)
+                                          temperature=cfg.sampling.temperature, with_entropy=True,
+                                          dropout_rng=actor_dropout_rng)
     if not cfg.shared:
-        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len)
+        _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len,
+                                    dropout_rng=critic_dropout_rng)
     pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
@@ -66,7 +71,7 @@ _LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy", "kl_loss")
 _TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
 
 
-def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, beta=0.0):
+def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, beta=0.0, **dropout_rngs):
     """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`).
 
     The metrics are weighted too, so that `accumulate_gradients`' plain mean over
@@ -74,7 +79,8 @@ def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, tota
     token means by the micro-batch's share of tokens. (`ratio_min/max` are extremes,
     which `accumulate_gradients` combines as such.)
     """
-    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg, beta=beta)
+    loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg, beta=beta,
+                             **dropout_rngs)
     mask = batch["response_mask"]
     scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
     if cfg.num_microbatches > 1:

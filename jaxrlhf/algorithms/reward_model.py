@@ -96,13 +96,16 @@ def init_state(params: PyTree, tx: optax.GradientTransformation) -> common.Train
     return common.TrainState.create(params, tx)
 
 
-def score(model: Transformer, params, sequences_NxL: jax.Array, attention_mask_NxL: jax.Array) -> jax.Array:
+def score(model: Transformer, params, sequences_NxL: jax.Array, attention_mask_NxL: jax.Array, *,
+          dropout_rng: jax.Array | None = None) -> jax.Array:
     """Scores `[N]` float32: the score head at the last valid token of each row.
 
-    Rows may be left-padded (prompt) and right-padded (response) at once.
+    Rows may be left-padded (prompt) and right-padded (response) at once. `dropout_rng`:
+    LoRA adapter dropout on (training only, `common.dropout_key`); None: off.
     """
     _check_score_model(model)
-    out = model.apply({"params": params}, sequences_NxL, attention_mask_NxL)
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    out = model.apply({"params": params}, sequences_NxL, attention_mask_NxL, rngs=rngs)
     return score_at_last_token(out.values, attention_mask_NxL)
 
 
@@ -134,18 +137,21 @@ def as_reward(model: Transformer, *, name: str = "reward_model", weight: float =
     return rewards.model_reward(fn, name=name, weight=weight, takes_params=True, vocab_size=model.config.vocab_size)
 
 
-def pair_scores(model: Transformer, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def pair_scores(model: Transformer, params, batch: Batch, *,
+                dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`(chosen [B], rejected [B])` scores from one forward pass of `2B` rows."""
     sequences, attention_mask, _, _ = pair_sequences(batch)
-    scores_2B = score(model, params, sequences, attention_mask)
+    scores_2B = score(model, params, sequences, attention_mask, dropout_rng=dropout_rng)
     b = batch["prompt_ids"].shape[0]
     return scores_2B[:b], scores_2B[b:]
 
 
-def loss_fn(params, batch: Batch, *, model: Transformer, cfg: RewardModelConfig) -> tuple[jax.Array, dict]:
+def loss_fn(params, batch: Batch, *, model: Transformer, cfg: RewardModelConfig,
+            dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """`ops.reward_model_loss` of the pair scores. Metrics (means over pairs): `accuracy`
-    (s_c > s_r), `score_gap`, `chosen_score`, `rejected_score`."""
-    chosen, rejected = pair_scores(model, params, batch)
+    (s_c > s_r), `score_gap`, `chosen_score`, `rejected_score`. `dropout_rng`: LoRA adapter
+    dropout on."""
+    chosen, rejected = pair_scores(model, params, batch, dropout_rng=dropout_rng)
     loss, metrics = ops.reward_model_loss(chosen, rejected, margin=batch["margin"] if cfg.use_margin else None)
     metrics = dict(metrics, chosen_score=jnp.mean(jax.lax.stop_gradient(chosen)),
                    rejected_score=jnp.mean(jax.lax.stop_gradient(rejected)))
@@ -157,14 +163,14 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: R
     """`step(state, batch, rng) -> (state, metrics)`, a pure function (not jitted).
 
     Jit it yourself, e.g. `jax.jit(step, donate_argnums=0)` (or `jit_train_step`); `rng`
-    is unused. Metrics: those of `loss_fn` (averaged over micro-batches), `loss`,
-    `grad_norm` (before clipping) and `finite`; when `finite` is False the update is
-    skipped.
+    draws the LoRA adapter-dropout masks (`common.dropout_key`; unused without). Metrics:
+    those of `loss_fn` (averaged over micro-batches), `loss`, `grad_norm` (before clipping)
+    and `finite`; when `finite` is False the update is skipped.
     """
     _check_score_model(model)
     keys = PAIR_KEYS + (("margin",) if cfg.use_margin else ())
     return common.make_row_mean_step(functools.partial(loss_fn, model=model, cfg=cfg), tx, keys=keys,
-                                     num_microbatches=cfg.num_microbatches,
+                                     num_microbatches=cfg.num_microbatches, model_config=model.config,
                                      check=lambda batch: _check_batch(batch, cfg))
 
 

@@ -88,27 +88,32 @@ def init_state(params: PyTree, tx: optax.GradientTransformation) -> common.Train
     return common.TrainState.create(params, tx)
 
 
-def token_nll(model: Transformer, params, batch: Batch, prompt_len: int = 1):
+def token_nll(model: Transformer, params, batch: Batch, prompt_len: int = 1, *,
+              dropout_rng: jax.Array | None = None):
     """Per-token NLL and greedy-correctness of the target tokens.
 
     Returns `(nll [B, L − prompt_len], correct [B, L − prompt_len] bool, mask [B, L − prompt_len])`,
-    target-aligned: column `j` is token `tokens[:, prompt_len + j]`.
+    target-aligned: column `j` is token `tokens[:, prompt_len + j]`. `dropout_rng`: LoRA
+    adapter dropout on (training only, `common.dropout_key`).
     """
     tokens_BxL = batch["tokens"]
-    hidden_BxTxD, _ = common.response_hidden(model, params, tokens_BxL, batch["input_mask"], prompt_len)
+    hidden_BxTxD, _ = common.response_hidden(model, params, tokens_BxL, batch["input_mask"], prompt_len,
+                                              dropout_rng=dropout_rng)
     targets_BxT = tokens_BxL[:, prompt_len:]
     out = common.head_logprobs(model.config, params, hidden_BxTxD, targets_BxT, with_argmax=True)
     correct_BxT = out.argmax == targets_BxT
     return -out.logp, correct_BxT, batch["loss_mask"][:, prompt_len:].astype(bool)
 
 
-def loss_fn(params, batch: Batch, *, model: Transformer, cfg: SFTConfig) -> tuple[jax.Array, dict]:
+def loss_fn(params, batch: Batch, *, model: Transformer, cfg: SFTConfig,
+            dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """`(loss, metrics)` of one batch: `ops.aggregate(nll, loss_mask, mode=cfg.agg)`.
 
     Metrics: `nll` (token-mean NLL, whatever `agg`), `token_accuracy` (greedy argmax equals
-    the target, over loss tokens), and the sums `num_tokens`, `num_correct`.
+    the target, over loss tokens), and the sums `num_tokens`, `num_correct`. `dropout_rng`:
+    LoRA adapter dropout on.
     """
-    nll_BxT, correct_BxT, mask_BxT = token_nll(model, params, batch, cfg.prompt_len)
+    nll_BxT, correct_BxT, mask_BxT = token_nll(model, params, batch, cfg.prompt_len, dropout_rng=dropout_rng)
     loss = ops.aggregate(nll_BxT, mask_BxT, mode=cfg.agg, norm_len=cfg.norm_len)
     num_tokens = jnp.sum(mask_BxT, dtype=jnp.float32)
     num_correct = jnp.sum(correct_BxT & mask_BxT, dtype=jnp.float32)
@@ -122,8 +127,8 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: S
                     ) -> Callable[[common.TrainState, Batch, jax.Array], tuple[common.TrainState, dict]]:
     """`step(state, batch, rng) -> (state, metrics)`, a pure function (not jitted).
 
-    Jit it yourself, e.g. `jax.jit(step, donate_argnums=0)` (or with shardings); `rng` is
-    unused (no dropout) and kept for the common step signature.
+    Jit it yourself, e.g. `jax.jit(step, donate_argnums=0)` (or with shardings); `rng`
+    draws the LoRA adapter-dropout masks (`common.dropout_key`; unused without).
 
     Metrics: `loss`, `nll`, `token_accuracy` (exact over the whole batch), `num_tokens`,
     `grad_norm` (before clipping), `finite`. When `finite` is False the update is skipped
@@ -133,15 +138,14 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: S
     n = cfg.num_microbatches
 
     def step(state: common.TrainState, batch: Batch, rng: jax.Array):
-        del rng
         check_batch(batch, cfg)
         mask_BxT = batch["loss_mask"][:, cfg.prompt_len:]
         total_tokens = jnp.sum(mask_BxT, dtype=jnp.float32)
         total_seqs = mask_BxT.shape[0]
 
         def micro_loss(params, mb, index):
-            del index
-            loss, metrics = loss_fn(params, mb, model=model, cfg=cfg)
+            loss, metrics = loss_fn(params, mb, model=model, cfg=cfg,
+                                    dropout_rng=common.dropout_key(model.config, rng, state.step, index))
             scale = common.accumulation_scale(mb["loss_mask"][:, cfg.prompt_len:], mode=cfg.agg,
                                               total_tokens=total_tokens, total_seqs=total_seqs)
             return loss * scale, metrics

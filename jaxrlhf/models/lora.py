@@ -2,7 +2,11 @@
 
 A targeted `transformer.Projection` computes `y = x W + s · (x A) B` with `A [in..., r]`
 and `B [r, out...]` two more parameters beside its kernel (`lora_a`, `lora_b`, float32
-whatever the kernel's dtype), `s = alpha / r` (rsLoRA: `alpha / sqrt(r)`). `B` starts at 0,
+whatever the kernel's dtype), `s = alpha / r` (rsLoRA: `alpha / sqrt(r)`). With adapter
+dropout p > 0 (PEFT's `lora_dropout`) the adapter's input is dropped in training:
+`y = x W + s · (drop_p(x) A) B`, kept values scaled by `1 / (1 − p)`; it is on only when
+the model is applied with a dropout key (`rngs={"dropout": key}`, which the training losses
+pass: `algorithms.common.dropout_key`), never in sampling, scoring, the reference or export. `B` starts at 0,
 so a fresh adapter leaves the model exactly as it was. A projection computes the adapter
 term only where its params hold `lora_a`: the same params with the adapters dropped
 (`without_adapters`, no copy of any array) are the base model — the reference policy of
@@ -64,12 +68,16 @@ class LoraConfig:
     targets: regexes, each searched in the projection paths of `PROJECTIONS` (and
       "lm_head" when the head is not tied); each must match at least one
       (`check_targets`).
+    dropout: p in [0, 1), the probability that an element of the adapter's input is
+      dropped when the model is applied with a dropout key (training only; the base path
+      never sees it). 0 = off: no key is threaded and the programs are those without it.
     """
 
     rank: int
     alpha: float = 16.0
     targets: tuple[str, ...] = DEFAULT_TARGETS
     rslora: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.targets, str):
@@ -77,6 +85,9 @@ class LoraConfig:
         if not isinstance(self.rank, (int, np.integer)) or self.rank <= 0:
             raise ValueError(f"model.lora.rank={self.rank!r}: the adapters' rank must be an integer > 0 "
                              "(rank 0 in a run config turns LoRA off)")
+        if not isinstance(self.dropout, (int, float, np.integer, np.floating)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout!r}: the adapters' dropout probability must be "
+                             "a number in [0, 1) (0 = off)")
         if not self.targets:
             raise ValueError("model.lora.targets is empty: name the projections to adapt, e.g. 'q_proj,v_proj'")
         for t in self.targets:
@@ -120,11 +131,11 @@ def check_targets(config) -> None:
 
 
 def from_section(section) -> LoraConfig | None:
-    """`config.model.lora` (rank, alpha, targets, rslora) -> a `LoraConfig`, or None for rank 0."""
+    """`config.model.lora` (rank, alpha, targets, rslora, dropout) -> a `LoraConfig`, or None for rank 0."""
     if section.rank == 0:
         return None
     return LoraConfig(rank=section.rank, alpha=float(section.alpha), targets=parse_targets(section.targets),
-                      rslora=bool(section.rslora))
+                      rslora=bool(section.rslora), dropout=float(section.dropout))
 
 
 # ----------------------------------------------------------------------------- params partition
@@ -310,7 +321,7 @@ def save_peft(config, params: PyTree, path: str | Path, *, base_model_name_or_pa
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-           "use_rslora": lora.rslora, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+           "use_rslora": lora.rslora, "target_modules": modules, "lora_dropout": lora.dropout, "bias": "none",
            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
            "base_model_name_or_path": base_model_name_or_path}
     (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2))

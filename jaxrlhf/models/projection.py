@@ -55,14 +55,15 @@ class Projection(nn.Module):
         x_NxK = x.astype(self.dtype).reshape(*lead, k)
         y = _rows_matmul(x_NxK, self._kernel_KxM(k, n_in))
         # LoRA (`models.lora`): + s·(x A) B, only where the params hold the adapter (the
-        # same params without it are the base model). B = 0 adds exactly 0.
+        # same params without it are the base model). B = 0 adds exactly 0. Adapter
+        # dropout drops x on this path only, the base path above never sees it.
         if self.lora is not None and (self.is_initializing() or self.has_variable("params", "lora_a")):
             r = self.lora.rank
             a = self.param("lora_a", nn.with_logical_partitioning(lora_lib.init_a, self.axes[:n_in] + (None,)),
                            (*in_shape, r), jnp.float32)
             b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, (None,) + self.axes[n_in:]),
                            (r, *out_shape), jnp.float32)
-            x_NxR = _rows_matmul(x_NxK, a.astype(self.dtype).reshape(k, r))
+            x_NxR = _rows_matmul(self._adapter_input(x_NxK), a.astype(self.dtype).reshape(k, r))
             y = y + self.lora.scale * _rows_matmul(x_NxR, b.astype(self.dtype).reshape(r, -1))
         y = y.reshape(*lead, *out_shape)
         if self.bias_axes is not None:
@@ -70,6 +71,17 @@ class Projection(nn.Module):
                            self.shape[-len(self.bias_axes):], self.param_dtype)
             y = y + b.astype(self.dtype)
         return y
+
+    def _adapter_input(self, x_NxK: jax.Array) -> jax.Array:
+        """The adapter's input: `x`, or with `lora.dropout = p > 0` and a "dropout" rng
+        (`model.apply(..., rngs={"dropout": key})`, training losses only) `x` with each
+        element dropped with probability p and the kept ones scaled by `1 / (1 − p)`
+        (inverted dropout, as PEFT's `lora_dropout`: the expected adapter term is unchanged)."""
+        p = self.lora.dropout
+        if p == 0 or not self.has_rng("dropout"):
+            return x_NxK
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - p, x_NxK.shape)
+        return jnp.where(keep, x_NxK / jnp.asarray(1.0 - p, x_NxK.dtype), jnp.zeros((), x_NxK.dtype))
 
     def _kernel_KxM(self, k: int, n_in: int) -> jax.Array:
         """The kernel as the `[K, M]` matrix the input multiplies, in the compute dtype: the

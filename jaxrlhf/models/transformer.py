@@ -348,8 +348,10 @@ class Transformer(nn.Module):
                 lora=c.lora if lora_lib.has_adapters(stored) else None,
                 quantize=c.quantize if quant.has_quantized(stored) else "none")
             layers = self.param("layers", _init_stacked_layers, like)
+            dropout = c.lora is not None and c.lora.dropout > 0 and self.has_rng("dropout")
             x, new_cache = scan_layers(c, layers, _embed_scaled(c, x), ropes, attn_mask, cache, cache_index,
-                                       last_position_only=last_position_only)
+                                       last_position_only=last_position_only,
+                                       dropout_rng=self.make_rng("dropout") if dropout else None)
         else:
             x = _embed_scaled(c, x)
             # `queries` (argument 7, counting self) is a Python int or None that shapes the layer.
@@ -430,7 +432,7 @@ def _save_all_but_layout(prim, *_, **__) -> bool:
 
 
 def scan_layers(config: ModelConfig, layers, x_BxLxD, ropes, mask: AttentionMask, cache: KVCache | None,
-                cache_index, *, last_position_only: bool = False):
+                cache_index, *, last_position_only: bool = False, dropout_rng: jax.Array | None = None):
     """The decoder stack as one `jax.lax.scan` over stacked layer params: `(x, cache)`.
 
     `ropes`: `{local: (cos, sin)}` for the kinds of layer the stack has. A stack of local
@@ -451,12 +453,17 @@ def scan_layers(config: ModelConfig, layers, x_BxLxD, ropes, mask: AttentionMask
     layer with `queries=1` and writes its output at the last position of the carry, so the
     last layer skips all but one position's attention and MLP without slicing (copying)
     the stacked params; the returned `x` is then `[B, 1, D]`.
+
+    `dropout_rng`: LoRA adapter dropout on (training, `models.lora`); layer i draws its
+    masks from `fold_in(dropout_rng, i)`, so no two layers share one. None: off.
     """
     c = config
     n = c.num_layers
 
-    def one_kind(p, x, kv, queries, local):
-        return DecoderLayer(c, local).apply({"params": p}, x, *ropes[local], mask, kv, cache_index, queries)
+    def one_kind(p, x, kv, queries, local, key):
+        rngs = None if key is None else {"dropout": key}
+        return DecoderLayer(c, local).apply({"params": p}, x, *ropes[local], mask, kv, cache_index, queries,
+                                            rngs=rngs)
 
     policy = _save_all_but_layout if c.remat == "none" else remat_policy(c)
     one_kind = jax.checkpoint(one_kind, policy=policy, prevent_cse=False, static_argnums=(3, 4))
@@ -467,11 +474,13 @@ def scan_layers(config: ModelConfig, layers, x_BxLxD, ropes, mask: AttentionMask
         x, stacked = carry
         p, i, is_local = xs
 
+        key = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+
         def layer(p, x, kv, queries):
             if len(kinds) == 1:
-                return one_kind(p, x, kv, queries, kinds[0])
-            return jax.lax.cond(is_local, lambda: one_kind(p, x, kv, queries, True),
-                                lambda: one_kind(p, x, kv, queries, False))
+                return one_kind(p, x, kv, queries, kinds[0], key)
+            return jax.lax.cond(is_local, lambda: one_kind(p, x, kv, queries, True, key),
+                                lambda: one_kind(p, x, kv, queries, False, key))
 
         kv = None if stacked is None else jax.tree.map(lambda a: layer_of(a, i), stacked)
         if last_position_only:

@@ -97,9 +97,11 @@ def lora(**kw) -> mlc.ConfigDict:
     that train adapters, comma-separated ("" = all; "grpo": the SFT warm start trains all
     weights); each starts with fresh ones, those of the phase before merged. quantize:
     QLoRA, "none" | "int8" | "nf4": the frozen base's layer projections stored quantised
-    from the first adapter phase on (`jaxrlhf.models.quant`)."""
+    from the first adapter phase on (`jaxrlhf.models.quant`). dropout: p in [0, 1) of the
+    adapters' input in training losses only (PEFT's `lora_dropout`; 0 = off)."""
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # `models.lora.DEFAULT_TARGETS`
-    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, phases="", quantize="none"),
+    return mlc.ConfigDict(dict(dict(rank=0, alpha=16.0, targets=targets, rslora=False, dropout=0.0, phases="",
+                                    quantize="none"),
                                **kw))
 
 
