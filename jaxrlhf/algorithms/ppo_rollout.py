@@ -25,7 +25,7 @@ from jaxrlhf.algorithms.common import response_hidden, response_logprobs
 from jaxrlhf.algorithms.scoring import RunningMoments
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.rollout.sampler import is_stop
+from jaxrlhf.rollout.sampler import finished
 
 if TYPE_CHECKING:  # annotations only: ppo imports this module
     from jaxrlhf.algorithms.ppo import PPOConfig, PPOState
@@ -195,7 +195,7 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
         **roll.reward_metrics,
     )
     if cfg.sampling.eos_id is not None:
-        has_eos = jnp.any(is_stop(roll.response_ids, cfg.sampling.eos_id) & mask, axis=1)
+        has_eos = finished(roll.response_ids, mask, cfg.sampling.eos_id)
         out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))
     return out
 

@@ -26,7 +26,7 @@ import numpy as np
 from jaxrlhf import rewards
 from jaxrlhf.algorithms import reward_model
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.rollout.sampler import is_stop
+from jaxrlhf.rollout.sampler import finished
 
 PyTree = Any
 
@@ -151,14 +151,14 @@ class RunningMoments:
 
 def missing_eos_penalty(scores_N: jax.Array, response_ids_NxT: jax.Array, response_mask_NxT: jax.Array, *,
                         eos_id, penalty: float, mode: str = "subtract") -> jax.Array:
-    """Scores `[N]` with responses that never emit `eos_id` (any of its ids:
-    `sampler.stop_ids`) among their valid tokens (they ran out of `max_new_tokens`)
-    penalised by `p = penalty ≥ 0`:
+    """Scores `[N]` of the responses that did not finish (`sampler.finished`: no `eos_id`
+    among their valid tokens — any of its ids — nor cut short at a stop string; they ran
+    out of `max_new_tokens`) penalised by `p = penalty ≥ 0`:
 
         "subtract": s − p   (TRL's `missing_eos_penalty`)
         "replace":  −p      (whatever the reward said)
     """
-    has_eos = jnp.any(is_stop(response_ids_NxT, eos_id) & response_mask_NxT.astype(bool), axis=1)
+    has_eos = finished(response_ids_NxT, response_mask_NxT, eos_id)
     p = jnp.float32(penalty)
     penalised = scores_N - p if mode == "subtract" else jnp.full_like(scores_N, -p)
     return jnp.where(has_eos, scores_N, penalised)

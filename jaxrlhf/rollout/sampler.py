@@ -73,6 +73,14 @@ def is_stop(tokens: jax.Array, eos_id) -> jax.Array:
     return out
 
 
+def finished(response_ids_NxT: jax.Array, response_mask_NxT: jax.Array, eos_id) -> jax.Array:
+    """`[N]` bool: the response ended on its own — it holds one of `stop_ids(eos_id)` among
+    its valid tokens, or it is shorter than T (cut at a stop string, `rollout.stop_strings`)
+    — rather than running out of `max_new_tokens`."""
+    mask = response_mask_NxT.astype(bool)
+    return jnp.any(is_stop(response_ids_NxT, eos_id) & mask, axis=1) | (mask.sum(axis=1) < mask.shape[1])
+
+
 def until_stop(token_ids: list, eos_id) -> tuple[list, bool]:
     """(the ids before the first of `stop_ids(eos_id)`, whether there was one): a response's
     content, on the host, for rewards and answers."""

@@ -88,3 +88,13 @@ def test_rewards_and_penalty_see_every_stop_id():
     reward.host_scores(inputs, {})
     assert seen == ["5", "5,8", "5,6,6,6"]
     assert sampler.until_stop([5, 9, 7], (7, 9)) == ([5], True)
+
+
+def test_a_response_cut_short_at_a_stop_string_counts_as_finished():
+    """`sampler.finished`: a stop id among the valid tokens, or fewer valid tokens than T
+    (`rollout.stop_strings` cut it), but not a full-length row without a stop id."""
+    ids = np.asarray([[5, 7, 0], [5, 6, 0], [5, 6, 6], [5, 6, 7]])
+    mask = np.asarray([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]], bool)
+    np.testing.assert_array_equal(np.asarray(sampler.finished(ids, mask, (7, 9))), [True, True, False, True])
+    scores = scoring.missing_eos_penalty(np.zeros(4, np.float32), ids, mask, eos_id=(7, 9), penalty=1.0)
+    np.testing.assert_array_equal(np.asarray(scores), [0.0, 0.0, -1.0, 0.0])
