@@ -49,13 +49,16 @@ def jsonl_task(**kw) -> mlc.ConfigDict:
     `chat_template_kwargs`: a JSON object of extra chat-template variables for every
     rendering ('{"enable_thinking": false}'). `long_prompts`: a prompt over
     `max_prompt_tokens` is "drop"ped (counted as too_long) or "left_truncate"d to its last
-    `max_prompt_tokens` tokens (counted); `data.records`."""
+    `max_prompt_tokens` tokens (counted); `data.records`. `sft_path` / `pairs_path`: source
+    specs of the run's other phases' rows, read as kind "sft" / "pairs" with the same
+    field names: the SFT warm start's examples and the reward model's pairs of a GRPO or PPO
+    run on prompts (SFT -> reward model -> PPO, all from files)."""
     return mlc.ConfigDict(dict(dict(
         name="jsonl", kind="prompts", path="", test_path="", data_dir="", seed=0, tokenizer_path="",
         prompt_key="question", answer_key="answer", messages_key="messages", completion_key="completion",
         chosen_key="chosen", rejected_key="rejected", max_prompt_tokens=256, max_response_tokens=512,
         max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip", stop_tokens="", stop_strings="",
-        chat_template_kwargs="", long_prompts="drop"), **kw))
+        chat_template_kwargs="", long_prompts="drop", sft_path="", pairs_path=""), **kw))
 
 
 def word_problems_task(**kw) -> mlc.ConfigDict:

@@ -181,15 +181,16 @@ def text_stop_ids(tok, folder: str, stop_tokens: str = "") -> tuple[int, ...]:
 
 
 def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cfg, *, source: str,
-               folder: str, format_weight: float = 0.0) -> Task:
+               folder: str, format_weight: float = 0.0, min_prompt_len: int = 0) -> Task:
     """A task on text prompts with reference answers: a Hugging Face tokenizer, and on the
     host the exact-answer reward (`data.final_answer_reward`, the evaluation's accuracy),
     plus `format_weight` × `data.answer_format_reward` when that weight is > 0. Responses
     end at any of `text_stop_ids(tok, folder, cfg.stop_tokens)`, and are cut after the
-    first of `cfg.stop_strings` (`Task.cut`)."""
+    first of `cfg.stop_strings` (`Task.cut`). The prompts are padded to at least
+    `min_prompt_len` (other phases' prompts share the width)."""
     if not train.prompt_ids or not test.prompt_ids:
         raise ValueError(f"{source}: no usable prompts (train: {train.skipped}; test: {test.skipped})")
-    prompt_len = max(len(x) for x in train.prompt_ids + test.prompt_ids)
+    prompt_len = max(min_prompt_len, *(len(x) for x in train.prompt_ids + test.prompt_ids))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stops = text_stop_ids(tok, folder, cfg.get("stop_tokens", ""))
     reward = rewards.host_reward(lambda prompts, responses, ex: data.final_answer_reward(responses, ex["answer"]),
@@ -302,17 +303,43 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
     test = data.read_mixture(cfg.test_path or cfg.path, parse, data_dir=cfg.data_dir,
                              seed=cfg.seed + 1, field=test_field)
     source = f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}"
-    if kind == "prompts":
-        return _text_task("jsonl", tok, train, test, cfg, source=source, folder=tokenizer_path)
-    task = _text_task("jsonl", tok, _as_prompts(train), _as_prompts(test), cfg, source=source, folder=tokenizer_path)
-    if kind == "sft":
-        sft = data.sft_batch(train.prompt_ids, train.response_ids, prompt_len=task.prompt_len,
-                             response_len=max(len(x) for x in train.response_ids), pad_id=task.pad_id, eos_id=None,
-                             response_loss=train.loss_mask)
-        return dataclasses.replace(task, sft=sft)
+    extra = _other_phases_rows(cfg, tok, kind)
+    width = max((len(x) for rows in extra.values() for x in rows.prompt_ids), default=0)
+    prompts = (train, test) if kind == "prompts" else (_as_prompts(train), _as_prompts(test))
+    task = _text_task("jsonl", tok, *prompts, cfg, source=source, folder=tokenizer_path, min_prompt_len=width)
+    sft = train if kind == "sft" else extra.get("sft")
+    pairs = train if kind == "pairs" else extra.get("pairs")
     eos = None if cfg.chat_template else tok.eos_token_id
-    return dataclasses.replace(task, pairs=_pair_arrays(train, task.prompt_len, task.pad_id, eos),
-                               test_pairs=_pair_arrays(test, task.prompt_len, task.pad_id, eos))
+    if sft is not None:
+        task = dataclasses.replace(task, sft=data.sft_batch(
+            sft.prompt_ids, sft.response_ids, prompt_len=task.prompt_len,
+            response_len=max(len(x) for x in sft.response_ids), pad_id=task.pad_id, eos_id=None,
+            response_loss=sft.loss_mask))
+    if pairs is not None:
+        task = dataclasses.replace(task, pairs=_pair_arrays(pairs, task.prompt_len, task.pad_id, eos),
+                                   test_pairs=_pair_arrays(test, task.prompt_len, task.pad_id, eos)
+                                   if kind == "pairs" else None)
+    return task
+
+
+def _other_phases_rows(cfg, tok, kind: str) -> dict:
+    """The rows of the run's other phases from their own sources: `task.sft_path` (SFT
+    examples for a warm start) and `task.pairs_path` (preference pairs for a reward model),
+    each a source spec read as that kind; a kind's own path is `task.path`."""
+    out = {}
+    for name in ("sft", "pairs"):
+        spec = cfg.get(f"{name}_path", "")
+        if not spec:
+            continue
+        if kind == name:
+            raise ValueError(f"task.{name}_path={spec!r}: this task's own rows are {name} (task.kind={kind!r}, "
+                             f"read from task.path); {name}_path gives {name} rows to a task of another kind")
+        rows = data.read_mixture(spec, _file_parser(cfg, tok, name), data_dir=cfg.data_dir, seed=cfg.seed,
+                                 field=f"task.{name}_path")
+        if not rows.location:
+            raise ValueError(f"task.{name}_path={spec!r}: no usable {name} rows ({rows.skipped})")
+        out[name] = rows
+    return out
 
 
 def word_problems(cfg, *, tokenizer_path: str) -> Task:

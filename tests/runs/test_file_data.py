@@ -155,3 +155,27 @@ def test_a_bad_row_names_its_file_line_and_field(files, tmp_path):
     config = _config("hf_dpo_pairs", ckpt, f"{paths['pairs']}:1,{paths['plain']}")
     with pytest.raises(ValueError, match="task.path=.*give a weight to every source or to none"):
         build_task(config.task, model_path=str(ckpt))
+
+
+def test_sft_then_reward_model_then_ppo_all_from_files(files, tmp_path):
+    """`configs/hf_rlhf_files.py:tiny`, the RLHF pipeline on a user's files: PPO on a
+    prompts file, warm-started by SFT on a chats file (`task.sft_path`), scored by a reward
+    model trained on a pairs file (`task.pairs_path`); all prompts share one padded width.
+    A kind's own path is refused as an extra path."""
+    ckpt, paths = files
+    prompts = _write(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in SUMS])
+    config = _config("hf_rlhf_files", ckpt, prompts, sft_path=str(paths["chats"]), pairs_path=str(paths["pairs"]))
+    task = build_task(config.task, model_path=str(ckpt))
+    tok = task.tokenizer
+    assert task.sft["tokens"].shape[0] == len(SUMS) and task.pairs["chosen_ids"].shape[0] == len(SUMS)
+    width = max(task.sft["input_mask"][:, :task.prompt_len].sum(1).max(), task.prompts["prompt_mask"].sum(1).max())
+    assert task.prompt_len == width and task.pairs["prompt_ids"].shape[1] == task.prompt_len
+    assert tok.decode(task.pairs["prompt_ids"][0][task.pairs["prompt_mask"][0]]) == "(1+2="
+    summary = train_and_evaluate(config, tmp_path / "run")
+    assert {"after SFT", "after PPO"} <= set(summary["stages"])
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"sft/loss", "reward_model/loss", "ppo/score_mean"} <= {k for r in rows for k in r}
+    with config.unlocked():
+        config.task.update(kind="sft", path=str(paths["chats"]))
+    with pytest.raises(ValueError, match=r"task.sft_path=.*this task's own rows are sft"):
+        build_task(config.task, model_path=str(ckpt))
