@@ -282,8 +282,8 @@ def _reward_model_pairs(cfg, train, *, policy_model, policy_params, task: Task, 
     pcfg = policy_pairs.PolicyPairsConfig.from_config(cfg)
     if cfg.pairs in ("task", "both") and task.pairs is None:
         raise ValueError(f"reward_model.pairs={cfg.pairs!r} needs the task's preference pairs, and task "
-                         f"{task.name!r} has none: set task.num_pairs > 0 (addition), task.kind='pairs' or task.pairs_path (files), "
-                         "or reward_model.pairs='policy'")
+                         f"{task.name!r} has none: set task.num_pairs > 0 (addition), task.kind='pairs' or "
+                         "task.pairs_path (files), or reward_model.pairs='policy'")
     held_out = {"": task.test_pairs} if task.test_pairs is not None else {}
     if pcfg is None:
         return task.pairs, held_out, {}
