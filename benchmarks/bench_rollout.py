@@ -4,6 +4,15 @@
     python benchmarks/bench_rollout.py --quick    # fewer repeats
     python benchmarks/bench_rollout.py --tunix-python /tmp/venv_tunix/bin/python   # + Tunix
     python benchmarks/bench_rollout.py --skewed   # continuous batching on skewed lengths
+    python benchmarks/bench_rollout.py --shape smollm2 --batch 8 16 64 --new-tokens 256   # real-shaped
+
+`--shape smollm2` times a real checkpoint's shapes instead of the workload's tiny model: a
+SmolLM2-135M-shaped Llama (30 layers, 576 wide, 9/3 heads of 64, V = 49,152, tied head;
+random HF init, the values do not change the time) on the workload's prompts (their ids
+are valid tokens of any vocabulary). Each row then also reports the fraction of the
+weight-streaming floor it reached: the bytes of the weights read per decode step over the
+memory bandwidth measured in the same process (a streaming sum over a 512 MiB array), against
+the measured seconds per new token.
 
 With `--tunix-python`, Google's Tunix sampler runs too, in that interpreter's environment
 (`tunix_rollout_worker.py`; Tunix's own Llama3 at the workload's sizes, same jax), right
@@ -49,6 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 NEW_TOKENS = 64
+# A real checkpoint's shapes (SmolLM2-135M-Instruct's config.json), for `--shape smollm2`.
+SHAPES = {"workload": {}, "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                          head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
+                                          max_position_embeddings=8192)}
 SKEW_T, SKEW_SAMPLES, SKEW_EOS, SKEW_BIAS = 96, 4, 2, 0.75
 
 
@@ -62,9 +76,15 @@ def main():
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="also run the sampler with the batch over this many CPU devices (0: off)")
     ap.add_argument("--skewed", action="store_true", help="continuous batching on a skewed-length workload")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="workload",
+                    help="the model's shapes: the workload's tiny Llama, or a real checkpoint's")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="new tokens per row (default 64)")
     ap.add_argument("--slots", type=int, nargs="+", default=[32], help="--skewed: slot counts S")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
+    if args.shape != "workload" and (args.tunix_python or args.cpu_devices > 1 or args.skewed):
+        ap.error("--shape runs jaxrlhf and transformers only: the Tunix and multi-device workers and --skewed "
+                 "build the workload's model")
     if args.skewed:
         return skewed(args, warmup, repeats)
 
@@ -78,12 +98,16 @@ def main():
     torch.set_num_threads(2)
     workload = _common.load_workload(args.prompts)
     prompts = np.asarray(workload["prompts"], np.int32)
-    hf = _common.hf_llama(seed=0)
+    hf = _common.hf_llama(seed=0, **SHAPES[args.shape])
+    new_tokens = args.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         model, params = load_pretrained(tmp)
 
-    results = {"workload": "measurement 1", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    results = {"workload": "measurement 1" if args.shape == "workload" else f"{args.shape}-shaped model",
+               "shape": args.shape, "new_tokens": new_tokens, "weight_bytes": weight_bytes,
+               "bandwidth_gb_s": _bandwidth_gb_s(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
                "torch": torch.__version__, "runs": []}
 
@@ -103,15 +127,15 @@ def main():
         keys = iter(jax.random.split(jax.random.key(1), 1000))
 
         start = time.perf_counter()
-        generate(model, params, jbatch, jmask, next(keys), max_new_tokens=NEW_TOKENS).response_ids.block_until_ready()
+        generate(model, params, jbatch, jmask, next(keys), max_new_tokens=new_tokens).response_ids.block_until_ready()
         compile_s = time.perf_counter() - start
-        one = lambda key: generate(model, params, jbatch, jmask, key, max_new_tokens=NEW_TOKENS, cpu_threads=1)
+        one = lambda key: generate(model, params, jbatch, jmask, key, max_new_tokens=new_tokens, cpu_threads=1)
         if not (one(jax.random.key(7)).response_ids == generate(model, params, jbatch, jmask, jax.random.key(7),
-                                                                 max_new_tokens=NEW_TOKENS).response_ids).all():
+                                                                 max_new_tokens=new_tokens).response_ids).all():
             raise RuntimeError("generate's row blocks sample other tokens than one program")
 
         def run_ours():
-            generate(model, params, jbatch, jmask, next(keys), max_new_tokens=NEW_TOKENS).response_ids.block_until_ready()
+            generate(model, params, jbatch, jmask, next(keys), max_new_tokens=new_tokens).response_ids.block_until_ready()
 
         def run_one_program():
             one(next(keys)).response_ids.block_until_ready()
@@ -121,29 +145,35 @@ def main():
         def run_hf():
             with torch.no_grad():
                 hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, use_cache=True, pad_token_id=0)
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
 
         for name, fn in (("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf)):
             with _common.CpuWatch() as watch:
                 t = _common.timed(fn, warmup=warmup, repeats=repeats)
-            t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * NEW_TOKENS / t["median_s"])
+            t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * new_tokens / t["median_s"],
+                     weight_floor_fraction=weight_bytes / (results["bandwidth_gb_s"] * 1e9)
+                     / (t["median_s"] / new_tokens))
             if name == "jaxrlhf":
                 t.update(first_call_s=compile_s, row_blocks=sampler.cpu_row_blocks(b, params, jbatch))
             results["runs"].append(t)
         if args.tunix_python:
             results["runs"].append(_run_tunix(args.tunix_python, b, warmup, repeats, args.prompts))
         if args.cpu_devices > 1:
-            sampled = generate(model, params, jbatch, jmask, jax.random.key(7), max_new_tokens=NEW_TOKENS)
+            sampled = generate(model, params, jbatch, jmask, jax.random.key(7), max_new_tokens=new_tokens)
             results["runs"].append(_run_devices(args.cpu_devices, b, warmup, repeats, args.prompts,
                                                 np.asarray(greedy.response_ids), np.asarray(sampled.response_ids)))
     results["peak_rss_mib"] = _common.peak_rss_mib()
 
     print(f"greedy tokens equal: {results['greedy_tokens_equal']}\n")
-    print("| B | impl | median s | min s | max s | new tokens/s | first call s | others' cores |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{results['workload']}: {weight_bytes / 2**20:,.0f} MiB of weights, {new_tokens} new tokens a row; "
+          f"measured bandwidth {results['bandwidth_gb_s']:.1f} GB/s")
+    print("| B | impl | median s | min s | max s | new tokens/s | weight-streaming floor reached | first call s | "
+          "others' cores |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results["runs"]:
+        floor = f"{r['weight_floor_fraction']:.0%}" if "weight_floor_fraction" in r else ""
         print(f"| {r['batch']} | {r['impl']} | {r['median_s']:.4f} | {r['min_s']:.4f} | {r['max_s']:.4f} | "
-              f"{r['tokens_per_s']:,.0f} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
+              f"{r['tokens_per_s']:,.0f} | {floor} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
     multi = f"jaxrlhf ({args.cpu_devices} CPU devices)"
     for b in args.batch:
         for label, key in (("jaxrlhf", ""), ("jaxrlhf (one program)", "_one_program"), (multi, "_multi_device")):
@@ -156,6 +186,19 @@ def main():
                     print(f"B={b}: {label} / {peer} speed = {ratio:.2f}x")
     print(f"peak RSS {results['peak_rss_mib']:.0f} MiB")
     print("wrote", _common.write_json(args.out, "rollout.json", results))
+
+
+def _bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
+    """Memory bandwidth this process reaches, GB/s: the best of `repeats` jitted sums over a
+    `mib` MiB float32 array (each reads it once)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = _common.timed(lambda: total(x).block_until_ready(), warmup=0, repeats=repeats)["min_s"]
+    return x.nbytes / best / 1e9
 
 
 def eos_biased_params(params, bias: float, eos_id: int):
