@@ -576,4 +576,5 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     return params, last
 
 
-__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "ppo_reward", "reward_model_phase", "sft_phase"]
+__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "ppo_reward", "reward_model_phase", "sft_phase",
+           "with_reward_model"]
