@@ -57,12 +57,15 @@ PyTree = Any
 @flax.struct.dataclass
 class GRPOState:
     """The policy's `TrainState`, the frozen reference parameters (or None), iterations
-    done, and β's adaptive controller (None: β is the config's fixed `beta`)."""
+    done, β's adaptive controller (None: β is the config's fixed `beta`), and the frozen
+    parameters of the reward's model component that takes them at call time (None: none;
+    `reward_model.as_reward`)."""
 
     policy: common.TrainState
     ref_params: PyTree
     step: jax.Array
     kl_ctl: kl_controller.KLControllerState | None = None
+    reward_params: PyTree = None
 
 
 def current_beta(state: GRPOState, cfg: GRPOConfig) -> float | jax.Array:
@@ -84,11 +87,12 @@ def reference_params(state: GRPOState) -> PyTree:
 
 
 def init_state(params, tx: optax.GradientTransformation, ref_params=None, *,
-               cfg: GRPOConfig | None = None) -> GRPOState:
+               cfg: GRPOConfig | None = None, reward_params=None) -> GRPOState:
     """The state of a run; pass `ref_params` (usually the starting params) when β > 0, or
     none when `params` hold LoRA adapters: the reference is then the base without them
     (`reference_params`). Pass `cfg` when it has a `kl_target`: the state then holds β's
-    adaptive controller.
+    adaptive controller. `reward_params`: a frozen reward model's (`reward_model.as_reward`),
+    given to the reward at every scoring, an argument of the compiled program.
 
     The policy holds `params` themselves; the reference gets buffers of its own: each leaf
     of `ref_params` that is also a leaf of `params` (`ref_params=params`, or a tree that
@@ -101,7 +105,7 @@ def init_state(params, tx: optax.GradientTransformation, ref_params=None, *,
         ref_params = jax.tree.map(lambda x: jnp.copy(x) if id(x) in policy_leaves else x, ref_params)
     kl_ctl = kl_controller.init(cfg.kl_config) if cfg is not None and cfg.kl_config.adaptive else None
     return GRPOState(policy=common.TrainState.create(params, tx), ref_params=ref_params,
-                     step=jnp.zeros((), jnp.int32), kl_ctl=kl_ctl)
+                     step=jnp.zeros((), jnp.int32), kl_ctl=kl_ctl, reward_params=reward_params)
 
 
 class Batch(NamedTuple):
@@ -304,7 +308,8 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
                          "init_state(params, tx, ref_params=...), or LoRA adapters on the policy")
     beta = current_beta(state, cfg)
     extras_N = scoring.repeat_extras(extras, g, n_pool // g)
-    scores = {**reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N), **host_scores}
+    scores = {**reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N, state.reward_params),
+              **host_scores}
     total = reward.total(scores)
     lengths = out.response_mask.sum(axis=1)
     metrics = dict(reward.metrics(scores))

@@ -76,8 +76,12 @@ def reward(**kw) -> mlc.ConfigDict:
     comma-separated import paths "pkg.module:function" of functions in TRL's `reward_funcs`
     convention, `fn(prompts=[...], completions=[...], **row_fields) -> list[float]`;
     `weights`, one per function ("" = 1.0 each); `task_weight`, the task's own reward's
-    weight (0 = train on yours alone; it is still the held-out `accuracy`)."""
-    return mlc.ConfigDict(dict(dict(fns="", weights="", task_weight=1.0), **kw))
+    weight (0 = train on yours alone; it is still the held-out `accuracy`).
+    `model_path`: a Hugging Face `*ForSequenceClassification` folder whose score of prompt ⧺
+    response (at its last valid token) joins the reward of GRPO and of PPO with
+    `ppo.reward="task"`, at `model_weight`, frozen and compiled into the step
+    (`runs.reward_folder`); its tokenizer must encode like the task's."""
+    return mlc.ConfigDict(dict(dict(fns="", weights="", task_weight=1.0, model_path="", model_weight=1.0), **kw))
 
 
 def model(**kw) -> mlc.ConfigDict:
@@ -204,6 +208,11 @@ def train(**kw) -> mlc.ConfigDict:
       WANDB_API_KEY is set, else offline: the run is kept under `<workdir>/wandb`, upload it
       later with `wandb sync`).
 
+    log_completions_every: every N steps of a GRPO/PPO phase (0 = off) write the first
+      `runs.completions.ROWS` sampled responses of the step (prompt, completion, their token
+      ids, each reward component, the total and the advantage) to
+      `<workdir>/completions.jsonl`, and with `wandb` as a `completions` table.
+
     time_split: run each GRPO/PPO step as three programs (rollout, scoring, update), each
       waited for, and report where the time goes: `time/rollout_s`, `time/scoring_s`,
       `time/update_s`, `time/tokens_per_s` (`algorithms.timing`). On by default: against
@@ -219,6 +228,7 @@ def train(**kw) -> mlc.ConfigDict:
         eval_slots=0,
         stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
         max_param_norm_change=1.0, time_split=True, wandb=False, wandb_project="jaxrlhf", wandb_mode="",
+        log_completions_every=0,
         monitor=monitor(**mon)), **kw))
 
 

@@ -53,7 +53,7 @@ import jax
 
 from jaxrlhf import runlog
 from jaxrlhf.models import lora, quant, save_pretrained
-from jaxrlhf.runs import phases, setup, stopping, validation
+from jaxrlhf.runs import phases, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
@@ -142,6 +142,16 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     if python_rewards(config.get("reward")) and config.algorithm == "ppo" and config.ppo.reward == "model":
         raise ValueError("reward.fns: PPO scores with its reward model (ppo.reward='model'); set "
                          "ppo.reward='task' to train on the task's reward and these functions")
+    folder = (config.get("reward") or {}).get("model_path", "")
+    if folder:
+        if config.algorithm not in ("grpo", "ppo"):
+            raise ValueError(f"reward.model_path: a reward model from a folder scores GRPO and PPO responses, not "
+                             f"algorithm={config.algorithm!r}; leave it empty")
+        if config.algorithm == "ppo" and config.ppo.reward == "model":
+            raise ValueError("reward.model_path: PPO with ppo.reward='model' trains its own reward model; set "
+                             "ppo.reward='task' to score with the folder's (beside the task's reward at "
+                             "reward.task_weight, 0 = the folder's model alone)")
+        reward_folder.check_folder(folder)  # a classifier folder, before any work
     stops = stopping.from_config(config, sampled)  # {phase: EarlyStop}, checked before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
@@ -160,6 +170,8 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     if len(task.stop_ids) > 1:
         log.info("responses end at any of the token ids %s (%s)", list(task.stop_ids),
                  ", ".join(repr(task.tokenizer.convert_ids_to_tokens(i)) for i in task.stop_ids))
+    folder_rm = reward_folder.load(config.get("reward"), config.model, tokenizer=task.tokenizer,
+                                   policy_vocab=task.vocab_size, placement=placement)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters
@@ -192,7 +204,10 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
         if config.algorithm == "grpo":
             rows.append((rl_start, accuracy(params)))
             params, _ = phases.grpo_phase(config.grpo, config.train, rng=jax.random.fold_in(rng, 2),
-                                          early_stop=_starting_from(stops, "grpo", rows[-1][1]), **policy("grpo", 2))
+                                          early_stop=_starting_from(stops, "grpo", rows[-1][1]),
+                                          reward_model_and_params=folder_rm,
+                                          model_weight=config.reward.model_weight if folder_rm else 1.0,
+                                          **policy("grpo", 2))
         learned_reward = config.algorithm == "reward_model" or (
             config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
         rm = None
@@ -211,7 +226,9 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
             rm = (rm_model, rm_params)
         if config.algorithm == "ppo":
             rows.append((rl_start, accuracy(params)))
-            params, _ = phases.ppo_phase(config.ppo, config.train, reward_model_and_params=rm,
+            params, _ = phases.ppo_phase(config.ppo, config.train,
+                                         reward_model_and_params=rm if folder_rm is None else folder_rm,
+                                         model_weight=config.reward.model_weight if folder_rm else None,
                                          early_stop=_starting_from(stops, "ppo", rows[-1][1]),
                                          rng=jax.random.fold_in(rng, 4), **policy("ppo", 4))
         if config.algorithm == "dpo":

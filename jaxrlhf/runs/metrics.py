@@ -162,6 +162,22 @@ class MetricsWriter:
             self.wandb_run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
             self.wandb_run.log({f"{phase}/step": int(step), **scalars})
 
+    def write_completions(self, rows: list[dict], *, phase: str, step: int) -> None:
+        """Sampled completions (`runs.completions.completion_rows`) appended to
+        `completions.jsonl`, one JSON object a row, and logged as the Weights & Biases table
+        `<phase>/completions` at `<phase>/step` (token ids left out of the table)."""
+        if not self.enabled or not rows:
+            return
+        rows = [{"phase": phase, "step": int(step), **r} for r in rows]
+        with open(self.workdir / "completions.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.wandb_run is not None:
+            import wandb
+
+            columns = [k for k in rows[0] if not k.endswith("_ids")]
+            table = wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in rows])
+            self.wandb_run.log({f"{phase}/step": int(step), f"{phase}/completions": table})
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -34,7 +34,9 @@ from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import HealthMonitor, MonitorConfig
 from jaxrlhf.rollout.sampler import SampleOutput
+from jaxrlhf.algorithms.ppo_rollout import on_actor
 from jaxrlhf.runs import policy_pairs, setup
+from jaxrlhf.runs.completions import completion_rows
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.stopping import EarlyStop
@@ -144,9 +146,21 @@ def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig
         overlong_cache=cfg.overlong_cache)
 
 
+def with_reward_model(reward, rm_model: Transformer, weight: float) -> rewards_lib.Reward:
+    """`reward` plus a frozen reward model's score at `weight` (a "reward_model" component
+    whose parameters are given at call time: the phase's state holds them)."""
+    return rewards_lib.combine([(1.0, rewards_lib.as_reward(reward)),
+                                (float(weight), reward_model.as_reward(rm_model))])
+
+
 def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-               eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
+               eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None, reward_model_and_params=None,
+               model_weight: float = 1.0):
     """GRPO (or a variant) on the task's prompts and reward; returns `(params, last_metrics)`.
+
+    `reward_model_and_params`: a frozen reward model (`runs.reward_folder`) whose score
+    joins the task's reward at `model_weight`; its params sit in the state
+    (`GRPOState.reward_params`) in the shardings of its own model under the run's rules.
 
     The policy and (β > 0) the reference share the model's shardings. The step is a
     sharded rollout, scoring and update, timed (`_rl_step`); a host reward (text, e.g. the
@@ -164,12 +178,21 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     p_sh = placement.param_shardings(model)
     # With LoRA adapters the reference is the policy's own base (`grpo.reference_params`).
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
-    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg)
-    state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
-    reward = rewards_lib.as_reward(task.reward)
+    reward, roles, args = rewards_lib.as_reward(task.reward), None, [placement.place(params, p_sh)]
+    if reward_model_and_params is not None:
+        rm_model, rm_params = reward_model_and_params
+        reward = with_reward_model(reward, rm_model, model_weight)
+        scoring.check_reward_vocab(model.config.vocab_size, reward)
+        roles = {"reward_params": placement.param_shardings(rm_model)}
+        args.append(placement.place(rm_params, roles["reward_params"]))
+    make = lambda p, rp=None: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg,
+                                              reward_params=rp)
+    state, state_sh = placement.init_state(make, *args, params_shardings=p_sh, roles=roles)
     # The task pads every prompt to one length already: no buckets.
     step = _rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
-                    keys, pool, gcfg.sampling, task=task)
+                    keys, pool, gcfg.sampling, task=task,
+                    completions=_completions(train, writer, "grpo", lambda s: s.reward_params,
+                                             with_advantage=not gcfg.dynamic_sampling))
     monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy",
@@ -180,8 +203,23 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     return state.policy.params, last
 
 
+def _completions(train, writer, phase: str, params_of, *, with_advantage: bool = True):
+    """`_rl_step`'s `completions` of a phase: `(every, sink(rows, step), params_of(state) ->
+    the reward model's params, with_advantage)`, or None with `train.log_completions_every` 0."""
+    every = train.get("log_completions_every", 0)
+    if not every:
+        return None
+    return every, functools.partial(writer.write_completions, phase=phase), params_of, with_advantage
+
+
+def _advantages(prepared):
+    """`(advantages [N, T], response_mask [N, T])` of a scored batch: GRPO's `Batch`, PPO's `Scored`."""
+    batch = prepared.batch if hasattr(prepared, "batch") else prepared._asdict()
+    return batch["advantages"], batch["response_mask"]
+
+
 def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
-             rows: int, sampling, *, task: Task):
+             rows: int, sampling, *, task: Task, completions=None):
     """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
 
     With `train.time_split` (or a host reward, which needs the responses on the host before
@@ -189,8 +227,12 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
     on this process's responses, sharded scoring, a sharded update (state donated); the
     metrics then carry `timing.RL_STEP`. The task's stop strings (`Task.cut`) need the
     responses on the host too: each process cuts its own after the rollout, before any
-    scoring. Otherwise, with a pure-JAX reward, one sharded program (`parts.fused`), untimed."""
-    if reward.is_jax and not train.time_split and not task.stop_strings:
+    scoring. Otherwise, with a pure-JAX reward, one sharded program (`parts.fused`), untimed.
+
+    `completions` (`_completions`): every N steps the first rows of this process's scored
+    responses go to its sink (`runs.completions`), the reward's JAX components evaluated
+    once more on them before the update; the step then runs split."""
+    if reward.is_jax and not train.time_split and not task.stop_strings and completions is None:
         def fused(state, batch, rng):
             return parts.fused(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
         return _sharded_step(fused, placement, state_sh, rows)
@@ -230,14 +272,43 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
         return SampleOutput(**placement.global_batch(mine._asdict(), rows * sampling.num_samples))
 
     rollout, score = rows_out("rollout", parts.rollout), rows_out("score", parts.score)
+    every, sink, params_of, with_advantage = completions or (0, None, None, False)
+    g = sampling.num_samples
+    device_scores = rows_out("device_scores", lambda params, out, extras: reward.device_scores(
+        rewards_lib.RewardInput.from_sample(out), scoring.repeat_extras(extras, g, out.response_ids.shape[0] // g),
+        params))
+    seen = {}
+
+    def score_seen(state, out, extras, host, rng):
+        """`score`, keeping what a logging step's rows are made of (before the update donates the state)."""
+        prepared, metrics = score(state, out, extras, host, rng)
+        seen.update(out=out, host=host, prepared=prepared, device=device_scores(params_of(state), out, extras))
+        return prepared, metrics
+
+    def log_rows(step_number):
+        local = lambda tree: jax.tree.map(lambda x: np.asarray(placement.local_rows(x)), tree)
+        out = SampleOutput(*local(tuple(seen["out"])))
+        scores = {**local(seen["device"]), **{k: np.asarray(placement.local_rows(v)) for k, v in seen["host"].items()}}
+        adv = None
+        if with_advantage:
+            adv, _ = local(_advantages(seen["prepared"]))
+        scores = {c.name: scores[c.name] for c in reward.components}
+        sink(completion_rows(task.tokenizer, out, scores, np.asarray(reward.total(scores)), adv), step=step_number)
+        seen.clear()
 
     def step(state, local, rng):
         local = host_extras(local, tuple(local))  # object arrays (answer strings) become lists
         batch = placement.global_batch({k: v for k, v in local.items() if hasattr(v, "shape")}, rows)
         extras = {k: batch[k] for k in keys if k in batch}
-        return timing.run_split(rollout, score, update, state, batch["prompt_ids"], batch["prompt_mask"], extras, rng,
-                                host=None if reward.is_jax else host_scores(local),
-                                cut=cut if task.stop_strings else None)
+        step_number = int(state.step.addressable_data(0)) + 1 if every else 0
+        logging_step = every and step_number % every == 0
+        state, metrics = timing.run_split(rollout, score_seen if logging_step else score, update, state,
+                                          batch["prompt_ids"], batch["prompt_mask"], extras, rng,
+                                          host=None if reward.is_jax else host_scores(local),
+                                          cut=cut if task.stop_strings else None)
+        if logging_step:
+            log_rows(step_number)
+        return state, metrics
 
     return step
 
@@ -416,10 +487,13 @@ def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
 
 
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
-              placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
+              placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None,
+              model_weight: float | None = None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
     (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
-    (`ppo.reward="task"`), the task's own reward given the task's extras. The step is a
+    (`ppo.reward="task"`), the task's own reward given the task's extras; with a
+    `model_weight` too, the task's reward plus that reward model's score at that weight (a
+    pretrained one, `reward.model_path`: `runs.reward_folder`). The step is a
     sharded rollout, scoring and update, timed (`_rl_step`); host (text) reward
     components, e.g. the JSONL task's answer check or Python rewards of the `reward`
     section, are scored on each process's responses in between, as in GRPO. The held-out
@@ -441,7 +515,10 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     pcfg = ppo_config(cfg, task)
     updates = cfg.steps * pcfg.updates_per_iteration  # the schedules count optimizer steps
     tx_actor, schedule = setup.build_optimizer(cfg.optim, total_steps=updates)
-    if reward_model_and_params is not None:
+    if reward_model_and_params is not None and model_weight is not None:  # a folder's, beside the task's reward
+        rm_model, rm_params = reward_model_and_params
+        reward, keys = with_reward_model(task.reward, rm_model, model_weight), task.extra_keys
+    elif reward_model_and_params is not None:
         rm_model, rm_params = reward_model_and_params
         reward, keys = rm_model, ()
     else:
@@ -473,13 +550,14 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
 
     def make(actor_params, reward_params, critic_params):
         return ppo.init_state(pcfg, actor_model, actor_params, tx_actor, critic_model=critic_model,
-                              critic_params=critic_params, tx_critic=tx_critic,
-                              reward=reward if rm_model is None else (rm_model, reward_params))
+                              critic_params=critic_params, tx_critic=tx_critic, reward=reward,
+                              reward_params=reward_params)
 
     state, state_sh = placement.init_state(make, *args, roles=roles)
     parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
     step = _rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
-                    pcfg.sampling, task=task)
+                    pcfg.sampling, task=task,
+                    completions=_completions(train, writer, "ppo", lambda s: on_actor(s.actor.params, s.reward_params)))
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
@@ -498,4 +576,5 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     return params, last
 
 
-__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "ppo_reward", "reward_model_phase", "sft_phase"]
+__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "ppo_reward", "reward_model_phase", "sft_phase",
+           "with_reward_model"]

@@ -67,7 +67,7 @@ SAFE_TO_CHANGE = (
     "mesh", "rules",                     # a checkpoint restores into any mesh (runs.sharding)
     "model.remat", "model.attention",    # how the same layers are computed
     "train.log_every", "train.progress", "train.tensorboard", "train.show_samples",
-    "train.wandb", "train.wandb_project", "train.wandb_mode",
+    "train.wandb", "train.wandb_project", "train.wandb_mode", "train.log_completions_every",
     "train.eval_every", "train.eval_batch_size", "train.eval_samples", "train.eval_k", "train.eval_temperature",
     "train.eval_slots",
     "train.checkpoint_every", "train.keep_checkpoints", "train.export", "train.time_split",
