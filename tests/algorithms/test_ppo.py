@@ -62,7 +62,7 @@ def _rollout_batch(seed=0, b=8, eos=2):
     prompt_ids, prompt_mask = map(np.asarray, _prompts(b, seed))
     resp = rng.integers(3, V, (b, T))
     lengths = rng.integers(1, T + 1, b)
-    lengths[0] = T
+    lengths[0] = lengths[1] = T  # row 1 runs out of tokens without EOS: it is not finished
     rmask = np.arange(T)[None] < lengths[:, None]
     for i in range(0, b, 2):  # even rows end with EOS
         resp[i, lengths[i] - 1] = eos
@@ -263,8 +263,9 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
         rm_values = RM.apply({"params": params["rm"]}, seq, attn).values
         last = P + jnp.sum(mask, axis=1) - 1  # the prompt is left-padded: the response ends here
         raw = rm_values[jnp.arange(8), last]
-        has_eos = jnp.any((seq[:, P:] == 2) & mask, axis=1)
-        s = jnp.where(has_eos, raw, raw - 0.5)
+        # Finished: EOS among the valid tokens, or shorter than T (cut at a stop string).
+        finished = jnp.any((seq[:, P:] == 2) & mask, axis=1) | (jnp.sum(mask, axis=1) < T)
+        s = jnp.where(finished, raw, raw - 0.5)
         s = jnp.clip((s - s.mean()) / jnp.sqrt(s.var() + 1e-8), -1.5, 1.5)
         kl = ops.kl(logp, ref_logp, estimator="k3")
         rewards = ops.shape_rewards(s, kl, mask, 0.3)

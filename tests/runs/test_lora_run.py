@@ -28,8 +28,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _config():
-    """`configs/addition_grpo.py:tiny` with a warm start that leaves the policy mostly wrong
-    (~0.15 held-out exact match) and LoRA on the GRPO phase, as the command line would set it."""
+    """`configs/addition_grpo.py:tiny` with a warm start that leaves the policy often wrong
+    (0.56 held-out exact match) and LoRA on the GRPO phase, as the command line would set it.
+    The SFT rate is 1e-3: at 3e-3 the end point was bimodal (0.15 on one machine, 0.93 on
+    another, by float rounding), which left GRPO nothing to raise."""
     spec = importlib.util.spec_from_file_location("addition_grpo", CONFIGS / "addition_grpo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -38,7 +40,7 @@ def _config():
     c.model.update(num_layers=2, num_heads=4)
     c.model.lora.update(rank=8, phases="grpo")
     c.sft.update(steps=700, batch_size=64)
-    c.sft.optim.update(lr=3e-3, schedule="constant", warmup_steps=0)
+    c.sft.optim.update(lr=1e-3, schedule="constant", warmup_steps=0)
     c.train.update(eval_every=0, checkpoint_every=25)
     return c
 
@@ -51,7 +53,7 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory, cache):
     c = _config()
-    c.grpo.update(steps=100, prompts_per_step=16, beta=0.04)
+    c.grpo.update(steps=150, prompts_per_step=16, beta=0.04)
     c.grpo.sampling.num_samples = 8
     c.grpo.optim.update(lr=3e-3, schedule="constant", warmup_steps=0)
     workdir = tmp_path_factory.mktemp("lora_grpo")
@@ -64,7 +66,7 @@ def test_grpo_with_lora_raises_held_out_accuracy(grpo_run):
     before, after = summary["stages"]["after SFT"], summary["stages"]["after GRPO"]
     print("GRPO with LoRA: held-out exact match", before["accuracy"], "->", after["accuracy"], "reward",
           before["reward"], "->", after["reward"])
-    # Measured (the suite's -O0 compile): exact match 0.148 -> 0.184, reward 0.470 -> 0.518.
+    # Measured (the suite's -O0 compile, 2026-12-03): exact match 0.562 -> 0.652, reward 0.976 -> 1.083.
     assert after["accuracy"] > before["accuracy"] and after["reward"] >= before["reward"] + 0.03, (before, after)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     kl = [r["grpo/kl"] for r in rows if "grpo/kl" in r]
