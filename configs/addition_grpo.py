@@ -16,8 +16,11 @@ the constant lr 1e-4 this config had before stays above it throughout but ends l
 (0.834, 0.844, 0.776). The SFT learning rate is 1e-3: at 3e-3 the SFT end point was bimodal
 (0.12 to 0.94 depending on the seed and even on float rounding). Held-out exact match stops
 well short of 0.95: GRPO sharpens what the SFT policy already samples (with the constant
-1e-4, pass@8 0.908 -> 0.910 for seed 0); docs/results.md has the runs that show it. No
-downloads. The before/after table and sample outputs are printed at the end and saved in
+1e-4, pass@8 0.908 -> 0.910 for seed 0); docs/results.md has the runs that show it.
+Supervised guidance on the prompts no sample gets right (`--config.grpo.guide_coef=1`, off
+here; measured 2026-12-03 on a shared 2-core VM whose SFT end points are 0.738 / 0.778 /
+0.686) ends seed 0 at 0.878 against 0.850 unguided, and still short of 0.95: see
+docs/results.md. No downloads. The before/after table and sample outputs are printed at the end and saved in
 `summary.json`.
 
 Variants: `:tiny` (a few steps of each phase, for tests).
