@@ -43,7 +43,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import common, kl_controller, kl_terms, scoring, timing
+from jaxrlhf.algorithms import common, guide, kl_controller, kl_terms, scoring, timing
 from jaxrlhf.algorithms.experience import sample_responses, score_responses
 from jaxrlhf.algorithms.grpo_config import ADVANTAGES, RATIO_LEVELS, GRPOConfig, preset
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
@@ -120,6 +120,9 @@ class Batch(NamedTuple):
     sampler_logp: `[N, T]` the sampler's log-probs (diagnostic `logp_mismatch`), or None.
     kl_N: `[N]` the rollout policy's KL to the reference per response (`kl_terms.sequence_kl`),
       the adaptive β's measurement; None without a `kl_target`.
+    guide_ids, guide_mask: `[N, R]` the reference completion of each row's prompt and its
+      mask, on only the first row of each failed group (`guide.guide_rows`); None without
+      `guide_coef`.
     """
 
     sequences: jax.Array
@@ -130,6 +133,8 @@ class Batch(NamedTuple):
     ref_logp: jax.Array | None = None
     sampler_logp: jax.Array | None = None
     kl_N: jax.Array | None = None
+    guide_ids: jax.Array | None = None
+    guide_mask: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- advantages
@@ -187,22 +192,27 @@ def loss_fn(
     group_size: int = 1,
     beta: float | jax.Array | None = None,
     dropout_rng: jax.Array | None = None,
+    guide_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The GRPO-family loss of one (micro)batch:
 
-        L = agg(l_clip(ρ, A)) + β·agg(kl(logp, ref_logp)) − c_ent·agg(entropy)
+        L = agg(l_clip(ρ, A)) + β·agg(kl(logp, ref_logp)) − c_ent·agg(entropy) + c_guide·NLL_guide
 
     with `ρ` per token or per sequence (`cfg.ratio_level`), the KL term only with
     `cfg.kl_in == "loss"` (`kl_terms.loss_term`; `beta`: this iteration's β, None =
     `cfg.beta`). Given `total_tokens` (valid
     tokens of the whole minibatch) and `total_seqs`, the loss is scaled to this chunk's
     share of the minibatch loss (`common.accumulation_scale`), for accumulation.
-    `dropout_rng`: LoRA adapter dropout on (`common.dropout_key`; None: off).
+    `dropout_rng`: LoRA adapter dropout on (`common.dropout_key`; None: off). The last term
+    only when the batch has guide rows and `cfg.guide_coef` > 0: `guide.guide_loss`, the
+    token-mean NLL of the failed prompts' reference completions, over `guide_tokens` (the
+    minibatch's guide tokens) when given.
 
     Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `pg_loss`, `clipfrac`,
     `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl` when the batch has reference
     log-probs (β > 0 or `track_kl`), `logp_mismatch`
-    (max |logp − sampler_logp|) when the batch has sampler log-probs.
+    (max |logp − sampler_logp|) when the batch has sampler log-probs, `guide/nll` with
+    guide rows.
     """
     p = batch.sequences.shape[1] - batch.response_mask.shape[1]
     mask = batch.response_mask.astype(bool)
@@ -229,10 +239,17 @@ def loss_fn(
     if batch.sampler_logp is not None:
         gap = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp) - batch.sampler_logp), 0.0)
         metrics["logp_mismatch"] = jnp.max(gap)
-    metrics["loss"] = jax.lax.stop_gradient(loss)
+    unscaled = loss
     if total_tokens is not None:
         seqs = batch.response_mask.shape[0] if total_seqs is None else total_seqs
         loss = loss * common.accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=seqs)
+    if cfg.guide_coef > 0 and batch.guide_mask is not None:
+        g_loss, metrics["guide/nll"] = guide.guide_loss(
+            model, params, batch.sequences[:, :p], batch.attention_mask[:, :p], batch.guide_ids, batch.guide_mask,
+            total_tokens=guide_tokens, group_size=group_size, dropout_rng=dropout_rng)
+        loss = loss + cfg.guide_coef * g_loss
+        unscaled = unscaled + cfg.guide_coef * metrics["guide/nll"]
+    metrics["loss"] = jax.lax.stop_gradient(unscaled)
     return loss, metrics
 
 
@@ -264,7 +281,9 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
 
     def step(policy, mb):
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
+        guide_tokens = None if mb.guide_mask is None else jnp.sum(mb.guide_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
+                                       guide_tokens=guide_tokens,
                                        total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1),
                                        beta=current_beta(state, cfg),
                                        dropout=functools.partial(common.dropout_key, model.config, rng, policy.step))
@@ -279,9 +298,10 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
     return state.replace(policy=policy), metrics
 
 
-def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, total_seqs, group_size, beta, dropout):
+def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, guide_tokens, total_seqs, group_size, beta,
+                dropout):
     return loss_fn(params, chunk, cfg, model=model, total_tokens=total_tokens, total_seqs=total_seqs,
-                   group_size=group_size, beta=beta, dropout_rng=dropout(index))
+                   group_size=group_size, beta=beta, dropout_rng=dropout(index), guide_tokens=guide_tokens)
 
 
 # --------------------------------------------------------------------------- iteration
@@ -299,10 +319,16 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     """The reward's JAX components on `out` (given the prompts' `extras`, `[B, ...]`
     arrays, repeated per sample) beside its host ones' `host_scores` (`{name: [N]}`), then
     (overlong penalty) → (dynamic selection) → old/ref log-probs → (KL in the reward,
-    `kl_terms.sequence_reward`) → advantages: the update's `Batch` and the rollout's metrics."""
+    `kl_terms.sequence_reward`) → advantages: the update's `Batch` and the rollout's metrics.
+    With `guide_coef` > 0 the extras must hold `guide.GUIDE_KEYS`: the batch then carries the
+    references of the (kept) groups whose best total score is below `guide_below`
+    (`guide/failed_fraction` in the metrics)."""
     del rng
     g = cfg.group_size
     n_pool = out.response_ids.shape[0]
+    if cfg.guide_coef > 0 and not all(k in (extras or {}) for k in guide.GUIDE_KEYS):
+        raise ValueError(f"GRPO with guide_coef={cfg.guide_coef} needs each prompt's reference completion: extras "
+                         f"{guide.GUIDE_KEYS} (right-padded ids and mask), got extras {tuple(extras or ())}")
     if cfg.uses_reference and reference_params(state) is None:
         raise ValueError(f"GRPO with beta={cfg.beta}, track_kl={cfg.track_kl} needs a reference model: "
                          "init_state(params, tx, ref_params=...), or LoRA adapters on the policy")
@@ -327,6 +353,8 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         sel = select_groups(shaped, g, k)
         out = jax.tree.map(lambda x: x[sel.indices], out)
         shaped = shaped[sel.indices]
+        total = total[sel.indices]
+        extras_N = {k: v[sel.indices] for k, v in extras_N.items()}
         metrics.update({"dynamic/kept_fraction": sel.kept_fraction, "dynamic/signal_fraction": sel.signal_fraction})
     mask = out.response_mask
     n = mask.shape[0]
@@ -351,7 +379,14 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     var = ops.masked_var(adv, mask)
     metrics.update({"advantage/mean": ops.masked_mean(adv, mask), "advantage/std": jnp.sqrt(var),
                     "zero_adv_group_fraction": jnp.mean(zero_group.astype(jnp.float32))})
-    return Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs, kl_N), metrics
+    guide_ids = guide_mask = None
+    if cfg.guide_coef > 0:
+        failed_K = guide.failed_groups(total, g, below=cfg.guide_below)
+        guide_ids, guide_mask = guide.guide_rows(extras_N["reference_ids"], extras_N["reference_mask"], failed_K, g)
+        metrics.update({"guide/failed_fraction": jnp.mean(failed_K.astype(jnp.float32)),
+                        "guide/tokens": jnp.sum(guide_mask)})
+    return Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs, kl_N, guide_ids,
+                 guide_mask), metrics
 
 
 def train(state: GRPOState, batch: Batch, rng, *, model: Transformer, tx: optax.GradientTransformation,

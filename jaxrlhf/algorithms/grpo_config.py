@@ -58,6 +58,12 @@ class GRPOConfig:
         tokens through the layers. Used wherever rows stay in whole groups: always for the
         rollout's scoring, and in the update when `num_minibatches == 1` (a shuffled
         minibatch mixes groups) and G divides each micro-batch.
+      guide_coef: c > 0 adds `c·` the token-mean NLL of the prompt's reference completion
+        for every prompt whose group's best score is below `guide_below` (`algorithms.guide`:
+        supervised guidance on the prompts RL gets no signal from, as in ReLIFT / SRFT); the
+        iteration's extras must then hold `guide.GUIDE_KEYS`. 0: off (no reference needed).
+      guide_below: the threshold on a group's best score (the reward's total, before any
+        shaping) under which its prompt counts as failed.
     """
 
     sampling: SamplingConfig
@@ -85,6 +91,8 @@ class GRPOConfig:
     overlong_cache: int = 0
     overlong_coef: float = 1.0
     share_prompt: bool = True
+    guide_coef: float = 0.0
+    guide_below: float = 1.0
 
     def __post_init__(self):
         def fail(msg):
@@ -130,6 +138,8 @@ class GRPOConfig:
                 fail("prompts_per_step selects groups from an oversampled pool: it needs dynamic_sampling=True")
             if self.prompts_per_step < 1:
                 fail(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if not self.guide_coef >= 0:
+            fail(f"guide_coef must be >= 0 (0 = off), got {self.guide_coef}")
         if self.overlong_max_len is not None:
             if not 0 <= self.overlong_cache < self.overlong_max_len:
                 fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), "

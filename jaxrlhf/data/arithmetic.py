@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxrlhf.data import batching
-from jaxrlhf.data.char_tokenizer import CharTokenizer
+from jaxrlhf.data.char_tokenizer import EOS_ID, CharTokenizer
 
 SPLITS = ("train", "test")
 # Below this many possible problems, enumerate them all (exact, unique sampling);
@@ -266,10 +266,14 @@ def sft_arrays(task: AdditionTask, problems: Problems) -> dict[str, np.ndarray]:
 def rl_arrays(task: AdditionTask, problems: Problems) -> dict[str, np.ndarray]:
     """Prompts for sampling and answers for `rewards.exact_match_reward`:
     prompt_ids/prompt_mask [N, P] (left-padded), answer_ids/answer_mask [N, A] with
-    A = num_digits + 1 (right-padded, no EOS)."""
+    A = num_digits + 1 (right-padded, no EOS), and the reference completions answer ⧺ EOS,
+    reference_ids/reference_mask [N, T] (right-padded; the SFT responses; what GRPO's
+    guidance on failed prompts learns, `algorithms.guide`)."""
     prompt_ids, prompt_mask = batching.left_pad(problems.prompt_ids, task.prompt_len)
     answer_ids, answer_mask = batching.right_pad(problems.answer_ids, task.response_len - 1)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, answer_ids=answer_ids, answer_mask=answer_mask)
+    reference_ids, reference_mask = batching.right_pad(problems.answer_ids, task.response_len, append_id=EOS_ID)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, answer_ids=answer_ids, answer_mask=answer_mask,
+                reference_ids=reference_ids, reference_mask=reference_mask)
 
 
 def preference_arrays(task: AdditionTask, pairs: PreferencePairs) -> dict[str, np.ndarray]:

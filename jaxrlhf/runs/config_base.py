@@ -145,7 +145,10 @@ def addition_warm_start() -> mlc.ConfigDict:
 
 def grpo(**kw) -> mlc.ConfigDict:
     """GRPO family; see `jaxrlhf.algorithms.grpo.GRPOConfig` for each field (0 = off).
-    `kl_in`: "loss" or "reward" (the KL's placement); `kl_target` > 0 adapts β."""
+    `kl_in`: "loss" or "reward" (the KL's placement); `kl_target` > 0 adapts β.
+    `guide_coef` > 0: add that times the NLL of the reference completion of every prompt
+    whose group's best score is below `guide_below` (`algorithms.guide`; the task must have
+    reference completions: the addition task has)."""
     opt = kw.pop("optim", {})
     samp = kw.pop("sampling", {})
     return mlc.ConfigDict(dict(dict(
@@ -154,7 +157,7 @@ def grpo(**kw) -> mlc.ConfigDict:
         kl_horizon=10000, clip_low=0.2, clip_high=0.0, dual_clip=0.0,
         agg="token-mean", norm_len=0, entropy_coef=0.0, num_iterations=1, num_minibatches=1, num_microbatches=1,
         ratio_level="token", dynamic_sampling=False, overlong_max_len=0, overlong_cache=0, track_kl=False,
-        optim=optim(**opt)), **kw))
+        guide_coef=0.0, guide_below=1.0, optim=optim(**opt)), **kw))
 
 
 def monitor(**kw) -> mlc.ConfigDict:

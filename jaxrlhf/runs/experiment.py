@@ -167,6 +167,8 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     main = jax.process_index() == 0
     runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
     task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
+    if config.algorithm == "grpo" and config.grpo.guide_coef > 0:  # a task without references: before any phase
+        task.reference_keys(f"grpo.guide_coef={config.grpo.guide_coef}")
     if len(task.stop_ids) > 1:
         log.info("responses end at any of the token ids %s (%s)", list(task.stop_ids),
                  ", ".join(repr(task.tokenizer.convert_ids_to_tokens(i)) for i in task.stop_ids))

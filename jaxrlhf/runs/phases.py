@@ -143,7 +143,7 @@ def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig
         num_microbatches=cfg.num_microbatches, ratio_level=cfg.ratio_level, dynamic_sampling=cfg.dynamic_sampling,
         prompts_per_step=cfg.prompts_per_step if cfg.dynamic_sampling and cfg.prompts_per_step > 0 else None,
         overlong_max_len=cfg.overlong_max_len if cfg.overlong_max_len > 0 else None,
-        overlong_cache=cfg.overlong_cache)
+        overlong_cache=cfg.overlong_cache, guide_coef=cfg.guide_coef, guide_below=cfg.guide_below)
 
 
 def with_reward_model(reward, rm_model: Transformer, weight: float) -> rewards_lib.Reward:
@@ -170,7 +170,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     placement = placement or Placement.local()
     gcfg = grpo_config(cfg, task, monitor_kl=train.monitor.kl_target > 0)
     tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps * gcfg.updates_per_iteration)
-    keys = task.extra_keys
+    keys = task.extra_keys + (task.reference_keys(f"grpo.guide_coef={gcfg.guide_coef}") if gcfg.guide_coef else ())
     dynamic_pool = cfg.dynamic_sampling and cfg.pool_size > 0
     pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
     batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,

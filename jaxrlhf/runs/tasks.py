@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import data, rewards
+from jaxrlhf.algorithms.guide import GUIDE_KEYS
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.runs.evaluation import SampledEval, sampled_metrics
 from jaxrlhf.rollout import stop_strings
@@ -77,6 +78,17 @@ class Task:
         if not self.stop_strings:
             return out
         return stop_strings.cut(out, self.tokenizer, self.stop_strings, pad_id=self.pad_id)
+
+    def reference_keys(self, field: str) -> tuple[str, ...]:
+        """The prompts' reference completions (`guide.GUIDE_KEYS`, right-padded ids and mask)
+        that `field` (a config setting that learns them) needs beside the reward's extras; a
+        task without them is a ValueError naming `field`."""
+        missing = [k for k in GUIDE_KEYS if k not in self.prompts]
+        if missing:
+            raise ValueError(f"{field} learns the reference completions of the prompts, but task {self.name!r} has "
+                             f"none (no {missing} arrays): turn {field.split('=')[0]} off, or use a task with "
+                             "reference completions (the built-in addition task)")
+        return tuple(k for k in GUIDE_KEYS if k not in self.extra_keys)
 
     def answers(self, response_ids_NxT, response_mask_NxT) -> list:
         """The final answer of each response (`final_answer`, or its default)."""

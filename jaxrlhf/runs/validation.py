@@ -44,7 +44,7 @@ _MINIMUM = {
     "sft": {"steps": 0, "batch_size": 1},
     "grpo": {"steps": 1, "prompts_per_step": 1, "pool_size": 0, "sampling.num_samples": 1,
              "sampling.max_new_tokens": 1, "sampling.min_new_tokens": 0, "sampling.slots": 0, "num_iterations": 1,
-             "num_minibatches": 1, "num_microbatches": 1},
+             "num_minibatches": 1, "num_microbatches": 1, "guide_coef": 0},
     "ppo": {"steps": 1, "prompts_per_step": 1, "sampling.num_samples": 1, "sampling.max_new_tokens": 1,
             "sampling.min_new_tokens": 0, "sampling.slots": 0, "num_ppo_epochs": 1, "num_minibatches": 1,
             "num_microbatches": 1},

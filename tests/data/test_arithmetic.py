@@ -87,6 +87,9 @@ def test_whole_set_arrays_fit_and_perfect_answers_score_one():
     # The SFT targets are exactly the responses the reward accepts.
     score = rewards.exact_match_reward(sft["response_ids"], sft["response_mask"], rl["answer_ids"], rl["answer_mask"])
     np.testing.assert_array_equal(score, np.ones(64))
+    # The references GRPO's guidance learns are the SFT responses.
+    np.testing.assert_array_equal(rl["reference_ids"], sft["response_ids"])
+    np.testing.assert_array_equal(rl["reference_mask"], sft["response_mask"])
     pairs = ar.make_preference_pairs(task, problems, seed=1)
     pref = ar.preference_arrays(task, pairs)
     score = rewards.exact_match_reward(pref["rejected_ids"], pref["rejected_mask"], rl["answer_ids"], rl["answer_mask"])
