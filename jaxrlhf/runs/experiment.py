@@ -241,7 +241,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                          config.reward_model.sft_steps, extras["reward_model_trunk"]["accuracy"])
             rm_model, rm_params, rm_eval = phases.reward_model_phase(
                 config.reward_model, config.train, policy_model=model if "reward_model" in adapted else plain,
-                policy_params=trunk, task=task,
+                policy_params=params, trunk_params=trunk, task=task,
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement, early_stop=stops.get("reward_model"))
             extras["reward_model_heldout"] = rm_eval

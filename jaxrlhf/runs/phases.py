@@ -348,8 +348,10 @@ def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_
 
 def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
                        placement: Placement | None = None, should_stop=None,
-                       early_stop: EarlyStop | None = None):
-    """Bradley–Terry on preference pairs, starting from the policy's trunk.
+                       early_stop: EarlyStop | None = None, trunk_params=None):
+    """Bradley–Terry on preference pairs, starting from the policy's trunk (or from
+    `trunk_params`, the reward model's own: `reward_model.sft_steps`; the on-policy pairs
+    are the policy's samples all the same).
 
     The pairs (`cfg.pairs`): the task's synthetic ones ("task"), the policy's own samples
     ranked by the task's reward ("policy", `runs.policy_pairs`), or both. Returns `(model,
@@ -386,7 +388,8 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
     for k in range(size):
         stop = early_stop if k == 0 or early_stop is None else dataclasses.replace(early_stop)
         model, params = _reward_model_member(cfg, train, k, pairs=pairs, rcfg=rcfg, evaluate=evaluate,
-                                             policy_model=policy_model, policy_params=policy_params,
+                                             policy_model=policy_model,
+                                             policy_params=policy_params if trunk_params is None else trunk_params,
                                              workdir=workdir, writer=writer, rng=rng, placement=placement,
                                              should_stop=should_stop, early_stop=stop)
         members.append(params)

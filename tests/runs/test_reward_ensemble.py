@@ -84,6 +84,29 @@ def test_one_member_is_the_single_reward_model(tmp_path):
     assert (tmp_path / "2" / "reward_model_1").is_dir() and not (tmp_path / "1" / "reward_model_1").exists()
 
 
+def test_the_reward_model_starts_from_its_own_trunk(tmp_path):
+    """`trunk_params` (`reward_model.sft_steps`): the reward model's trunk is that one (lr 0:
+    nothing moves it), not the policy's."""
+    config = _config()
+    task = build_task(config.task)
+    model, params = setup.build_model(config.model, vocab_size=task.vocab_size, pad_id=task.pad_id,
+                                      bos_id=task.bos_id, eos_id=task.eos_id)
+    trunk = jax.tree.map(lambda x: x + 1.0, params)
+    cfg = config.reward_model
+    cfg.update(steps=1, samples_per_prompt=0)
+    cfg.optim.update(lr=0.0, warmup_steps=0)
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    try:
+        _, rm_params, _ = phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params,
+                                                    trunk_params=trunk, task=task, workdir=tmp_path, writer=writer,
+                                                    rng=jax.random.key(0))
+    finally:
+        writer.close()
+    for name in set(params) - {"lm_head"}:
+        for a, b in zip(jax.tree.leaves(rm_params[name]), jax.tree.leaves(trunk[name])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _train(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "jaxrlhf.train", "--config=configs/addition_ppo.py:tiny", *args],
