@@ -160,8 +160,6 @@ class Reward:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"reward component names must be unique, got duplicates {dupes}; pass name=...")
-        if sum(c.takes_params for c in self.components) > 1:
-            raise ValueError("a reward holds at most one reward model whose parameters are given at call time")
 
     @property
     def is_jax(self) -> bool:
@@ -175,7 +173,7 @@ class Reward:
     def device_scores(self, inputs: RewardInput, extras: Mapping[str, Any], params: Any = None
                       ) -> dict[str, jax.Array]:
         """`{name: [N] float32}` of the JAX and reward-model components (traceable);
-        `params` are those of the component that `takes_params`, if any."""
+        `params` go to every component that `takes_params` (they share them), if any."""
         n = inputs.response_ids.shape[0]
         out = {}
         for c in self.components:
@@ -319,7 +317,8 @@ def model_reward(score_fn: Callable, *, name: str = "reward_model", weight: floa
     """A reward model: `score_fn(sequences [N, P + T], attention_mask [N, P + T]) -> [N]`.
 
     With `takes_params=True` it is `score_fn(params, sequences, attention_mask)`, the
-    parameters passed to `device_scores` (a reward holds at most one such component).
+    parameters passed to `device_scores` (every such component of a reward gets the same
+    params: e.g. an ensemble's reduced score and its members' disagreement).
     `vocab_size`, when given, is the reward model's (checked against the policy's).
     """
     return Reward((Component(score_fn, "model", name, float(weight), takes_params=takes_params,

@@ -69,8 +69,11 @@ def test_reward_model_with_params_given_at_call_time():
     np.testing.assert_allclose(reward(inputs, params=1.0)[0], [12 + 2, 8 + 1, 10 + 1])
     with pytest.raises(ValueError, match="pass params"):
         reward(inputs)
-    with pytest.raises(ValueError, match="at most one"):
-        rewards.combine([(1.0, rm), (1.0, rewards.model_reward(rm.components[0].fn, name="rm2", takes_params=True))])
+    # two components that take params share them (an ensemble's score and its disagreement)
+    both = rewards.combine([(1.0, rm), (0.0, rewards.model_reward(rm.components[0].fn, name="rm2", takes_params=True))])
+    scores = both.device_scores(inputs, {}, jnp.float32(0.5))
+    np.testing.assert_allclose(scores["rm2"], scores["rm"])
+    np.testing.assert_allclose(both.total(scores), scores["rm"])  # weight 0: logged, not in the total
     # prompt ⧺ response split back into its parts
     again = rewards.RewardInput.from_sequences(inputs.sequences, inputs.attention_mask, 2)
     for a, b in zip(again, inputs):

@@ -17,6 +17,13 @@ forward pass of `2B` rows; the loss is `ops.reward_model_loss` = mean of
     step = jax.jit(make_train_step(model, tx, RewardModelConfig()), donate_argnums=0)
     reward = score_fn(model, state.params)       # (sequences, attention_mask) -> [N]
     reward = as_reward(model)                    # a rewards.Reward, params given at call time (PPO)
+
+An ensemble of K reward models (members trained alike from different head inits and batch
+orders) is one stacked pytree, every leaf `[K, ...]` (`stack_members`); `ensemble_scores`
+scores all members in one vmapped pass and reduces them ("mean" or "min"):
+
+    params_K = stack_members([params_0, params_1, params_2])
+    reward = as_ensemble_reward(model, reduce="min")     # + its disagreement, weight 0
 """
 
 from __future__ import annotations
@@ -137,11 +144,76 @@ def as_reward(model: Transformer, *, name: str = "reward_model", weight: float =
     return rewards.model_reward(fn, name=name, weight=weight, takes_params=True, vocab_size=model.config.vocab_size)
 
 
-def pair_scores(model: Transformer, params, batch: Batch, *,
-                dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`(chosen [B], rejected [B])` scores from one forward pass of `2B` rows."""
+ENSEMBLE_REDUCES = ("mean", "min")
+
+
+def check_reduce(reduce: str, field: str = "reward_model.ensemble_reduce") -> str:
+    """`reduce` if it is one of `ENSEMBLE_REDUCES`, else a ValueError naming `field`."""
+    if reduce not in ENSEMBLE_REDUCES:
+        raise ValueError(f"{field}={reduce!r}; expected one of {ENSEMBLE_REDUCES} (how the members' scores of a "
+                         "reward-model ensemble combine)")
+    return reduce
+
+
+def stack_members(members: list[PyTree]) -> PyTree:
+    """K reward models' params (one structure) as one pytree, every leaf `[K, ...]`."""
+    if not members:
+        raise ValueError("stack_members needs at least one member")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+
+
+def member_scores(model: Transformer, params_K, sequences_NxL: jax.Array, attention_mask_NxL: jax.Array
+                  ) -> jax.Array:
+    """`[K, N]` scores of every member of a stacked ensemble (`stack_members`), one vmapped pass."""
+    return jax.vmap(lambda p: score(model, p, sequences_NxL, attention_mask_NxL))(params_K)
+
+
+def reduce_members(scores_KxN: jax.Array, reduce: str) -> jax.Array:
+    """The ensemble's score `[N]`: "mean", r = (1/K) Σ_k s_k, or "min", r = min_k s_k, the
+    conservative choice against reward over-optimisation (Coste et al. 2023, "Reward Model
+    Ensembles Help Mitigate Overoptimization": worst-case optimisation)."""
+    check_reduce(reduce, "reduce")
+    return jnp.mean(scores_KxN, axis=0) if reduce == "mean" else jnp.min(scores_KxN, axis=0)
+
+
+def ensemble_scores(model: Transformer, params_K, sequences_NxL: jax.Array, attention_mask_NxL: jax.Array, *,
+                    reduce: str) -> jax.Array:
+    """`reduce_members(member_scores(...), reduce)`: `[N]`."""
+    return reduce_members(member_scores(model, params_K, sequences_NxL, attention_mask_NxL), reduce)
+
+
+def as_ensemble_reward(model: Transformer, *, reduce: str, name: str = "reward_model",
+                       weight: float = 1.0) -> rewards.Reward:
+    """A stacked ensemble (`stack_members`) as a `rewards.Reward`, params given at call
+    time: component `name` = the members' scores reduced (`reduce_members`) at `weight`,
+    and `<name>_std` = their standard deviation over members (the disagreement) at weight
+    0, logged (`reward/<name>_std`) but not optimised."""
+    _check_score_model(model)
+    check_reduce(reduce, "reduce")
+
+    def reduced(params, sequences_NxL, attention_mask_NxL):
+        return ensemble_scores(model, jax.lax.stop_gradient(params), sequences_NxL, attention_mask_NxL,
+                               reduce=reduce)
+
+    def spread(params, sequences_NxL, attention_mask_NxL):
+        return jnp.std(member_scores(model, jax.lax.stop_gradient(params), sequences_NxL, attention_mask_NxL),
+                       axis=0)
+
+    vocab = model.config.vocab_size
+    return rewards.combine([
+        (1.0, rewards.model_reward(reduced, name=name, weight=weight, takes_params=True, vocab_size=vocab)),
+        (1.0, rewards.model_reward(spread, name=f"{name}_std", weight=0.0, takes_params=True, vocab_size=vocab))])
+
+
+def pair_scores(model: Transformer, params, batch: Batch, *, dropout_rng: jax.Array | None = None,
+                reduce: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """`(chosen [B], rejected [B])` scores from one forward pass of `2B` rows; with `reduce`
+    the params are a stacked ensemble and the scores its reduced ones (`ensemble_scores`)."""
     sequences, attention_mask, _, _ = pair_sequences(batch)
-    scores_2B = score(model, params, sequences, attention_mask, dropout_rng=dropout_rng)
+    if reduce is not None:
+        scores_2B = ensemble_scores(model, params, sequences, attention_mask, reduce=reduce)
+    else:
+        scores_2B = score(model, params, sequences, attention_mask, dropout_rng=dropout_rng)
     b = batch["prompt_ids"].shape[0]
     return scores_2B[:b], scores_2B[b:]
 
@@ -179,8 +251,10 @@ def jit_train_step(model: Transformer, tx: optax.GradientTransformation, cfg: Re
     return jax.jit(make_train_step(model, tx, cfg), donate_argnums=0)
 
 
-def make_eval_step(model: Transformer, cfg: RewardModelConfig) -> Callable[[PyTree, Batch], dict]:
-    """`eval_step(params, batch) -> metrics` (pure; jit it) on held-out pairs.
+def make_eval_step(model: Transformer, cfg: RewardModelConfig, *, reduce: str | None = None
+                   ) -> Callable[[PyTree, Batch], dict]:
+    """`eval_step(params, batch) -> metrics` (pure; jit it) on held-out pairs; with `reduce`
+    of a stacked ensemble's params, scored by its reduced score (`ensemble_scores`).
 
     Metrics are means over pairs weighted by `batch["weight"]` `[B]` (optional, default
     ones; zero it for padding rows), plus `weight` = Σ weights: `loss`, `accuracy`
@@ -190,7 +264,7 @@ def make_eval_step(model: Transformer, cfg: RewardModelConfig) -> Callable[[PyTr
 
     def eval_step(params, batch: Batch) -> dict:
         _check_batch(batch, cfg)
-        chosen, rejected = pair_scores(model, params, batch)
+        chosen, rejected = pair_scores(model, params, batch, reduce=reduce)
         margin = batch["margin"] if cfg.use_margin else jnp.zeros_like(chosen)
         loss_B, metrics_B = jax.vmap(lambda c, r, m: ops.reward_model_loss(c[None], r[None], margin=m[None]))(
             chosen, rejected, margin)

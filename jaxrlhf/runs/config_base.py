@@ -243,10 +243,19 @@ def pairs_phase(kind: str, **kw) -> mlc.ConfigDict:
     of the first `num_prompts` training prompts, 0 = all; `runs.policy_pairs`) or "both".
     With `samples_per_prompt` > 0 the held-out prompts' on-policy pairs are evaluated too
     (`eval/policy_pairs/accuracy`), whatever `pairs` is; 0 = no on-policy pairs.
+
+    `ensemble`: K >= 1 reward models trained alike on the same pairs (member k's score head
+    and batch order from `seed + k`); PPO's reward is their scores reduced by
+    `ensemble_reduce`, "mean" or "min" (the conservative one), and `reward/reward_model_std`
+    logs their disagreement. `sft_steps`: extra SFT steps (the `sft` section's batch size
+    and optimizer, a fresh schedule, batch order from `sft.seed + 1`) on the reward model's
+    own copy of the policy's trunk before it learns from pairs: a trunk that has learnt the
+    task further than the policy (0 = the policy's trunk as it is).
     """
     opt = kw.pop("optim", {})
     extra = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_coef=0.0) if kind == "dpo" else dict(
-        pairs="task", samples_per_prompt=0, temperature=1.0, num_prompts=0)
+        pairs="task", samples_per_prompt=0, temperature=1.0, num_prompts=0, ensemble=1, ensemble_reduce="mean",
+        sft_steps=0)
     return mlc.ConfigDict(dict(dict(steps=100, batch_size=32, seed=0, num_microbatches=1, **extra,
                                     optim=optim(**opt)), **kw))
 

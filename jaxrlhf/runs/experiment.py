@@ -2,7 +2,11 @@
 
 - `sft`:          SFT on the task.
 - `grpo`:         (SFT warm start if `sft.steps > 0`) -> GRPO family on the task's reward.
-- `ppo`:          (SFT warm start) -> reward model on preference pairs -> RLHF-PPO.
+- `ppo`:          (SFT warm start) -> reward model on preference pairs -> RLHF-PPO. With
+                  `reward_model.sft_steps` > 0 the reward model starts from its own copy
+                  of the trunk trained that many more SFT steps (phase `reward_model_sft`);
+                  with `reward_model.ensemble` > 1 it is K members, PPO scoring with
+                  their `ensemble_reduce`d score.
 - `dpo`:          (SFT warm start) -> DPO on preference pairs.
 - `reward_model`: Bradley–Terry reward model on preference pairs.
 
@@ -22,7 +26,8 @@ reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@
 With `model.lora.rank` > 0 the phases of `model.lora.phases` train LoRA adapters only
 (`models.lora`, `setup.lora_model` / `setup.start_adapters`; a reward model or PPO critic
 also its new head), a policy's reference being the base without them, and the export adds
-the PEFT folder `export/peft` (a reward model's export is merged only). A PPO run whose
+the PEFT folder `export/peft` (a reward model's export is merged only; an ensemble's is
+one folder per member, `export/member<k>`). A PPO run whose
 reward-model and PPO phases both train adapters keeps one base: the reward model's
 adapters and head run on the actor's (`ppo.on_actor`).
 
@@ -50,6 +55,8 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import ml_collections as mlc
 
 from jaxrlhf import runlog
 from jaxrlhf.models import lora, quant, save_pretrained
@@ -124,6 +131,18 @@ def _starting_from(stops: dict, phase: str, evaluation: dict):
     if rule is not None:
         rule.start_evaluation = evaluation
     return rule
+
+
+def _reward_model_trunk(config, params, common: dict, *, rng):
+    """The reward model's own trunk (`reward_model.sft_steps` > 0): a copy of the policy's
+    `params` trained that many more SFT steps (the `sft` section's batch size and optimizer,
+    a fresh schedule, batch order from `sft.seed + 1`), checkpointed as phase
+    `reward_model_sft`. The policy's params are left as they are."""
+    cfg = mlc.ConfigDict(dict(config.sft.to_dict(), steps=config.reward_model.sft_steps, seed=config.sft.seed + 1))
+    copy = jax.tree.map(jnp.copy, params)  # the phase donates its state
+    trunk, _ = phases.sft_phase(cfg, config.train, **dict(common, eval_fn=None), params=copy, rng=rng,
+                                name="reward_model_sft")
+    return trunk
 
 
 def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_with_changes: bool = False) -> dict:
@@ -216,9 +235,15 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
         if learned_reward:
             # An SFT phase's adapters folded in: the base of the reward model and of PPO's roles.
             params = setup.start_adapters(model, params, fresh=False, seed=0, placement=placement)
+            trunk = params
+            if config.reward_model.get("sft_steps", 0) > 0:  # the reward model's own, further-trained trunk
+                trunk = _reward_model_trunk(config, params, common, rng=jax.random.fold_in(rng, 6))
+                extras["reward_model_trunk"] = accuracy(trunk)
+                log.info("reward model trunk after %d more SFT steps: held-out exact match %.3f",
+                         config.reward_model.sft_steps, extras["reward_model_trunk"]["accuracy"])
             rm_model, rm_params, rm_eval = phases.reward_model_phase(
                 config.reward_model, config.train, policy_model=model if "reward_model" in adapted else plain,
-                policy_params=params, task=task,
+                policy_params=params, trunk_params=trunk, task=task,
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement, early_stop=stops.get("reward_model"))
             extras["reward_model_heldout"] = rm_eval
@@ -231,6 +256,9 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
             params, _ = phases.ppo_phase(config.ppo, config.train,
                                          reward_model_and_params=rm if folder_rm is None else folder_rm,
                                          model_weight=config.reward.model_weight if folder_rm else None,
+                                         ensemble_reduce=config.reward_model.ensemble_reduce
+                                         if rm is not None and folder_rm is None and config.reward_model.ensemble > 1
+                                         else None,
                                          early_stop=_starting_from(stops, "ppo", rows[-1][1]),
                                          rng=jax.random.fold_in(rng, 4), **policy("ppo", 4))
         if config.algorithm == "dpo":
@@ -251,7 +279,11 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                                    base_path=None if warm_started else config.model.path)
         elif config.train.export:
             host_params = placement.fetch(rm_params)
-            if main:
+            if main and config.reward_model.get("ensemble", 1) > 1:  # stacked members: one folder each
+                for k in range(config.reward_model.ensemble):
+                    member = jax.tree.map(lambda x: x[k], host_params)
+                    _export_merged(rm_model, member, workdir / "export" / f"member{k}")
+            elif main:
                 _export_merged(rm_model, host_params, workdir / "export")
     finally:
         writer.close()

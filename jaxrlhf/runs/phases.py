@@ -20,6 +20,7 @@ its best evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -95,8 +96,10 @@ def _timed_update(step_fn, schedule):
 
 
 def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-              eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
-    """Masked cross-entropy on the task's SFT arrays; returns `(params, last_metrics)`."""
+              eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None, name: str = "sft"):
+    """Masked cross-entropy on the task's SFT arrays; returns `(params, last_metrics)`.
+    `name`: the phase's checkpoint folder and metrics prefix ("reward_model_sft": the
+    reward model's own trunk, `reward_model.sft_steps`)."""
     placement = placement or Placement.local()
     if task.sft is None:
         raise ValueError(f"task {task.name!r} has no SFT examples: for files set task.kind='sft' (rows of messages, "
@@ -110,7 +113,7 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     step = _sharded_step(sft.make_train_step(model, tx, sft.SFTConfig(prompt_len=task.prompt_len)), placement,
                          state_sh, cfg.batch_size)
     state, last = run_phase(
-        _phase("sft", cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
+        _phase(name, cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
         state=state, step_fn=_timed_update(step, schedule), batches=batches,
         rng=rng, writer=writer, eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop,
         **_stopping(early_stop))
@@ -343,51 +346,12 @@ def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_
         score_fn=lambda p, batch: placement.fetch(fn(p, placement.put_rows(batch))))
 
 
-def _reward_model_pairs(cfg, train, *, policy_model, policy_params, task: Task, rng, placement: Placement):
-    """`(training pairs, {name: held-out pairs}, stats)` of the reward-model phase as
-    `cfg.pairs` picks them (`runs.policy_pairs`): the task's synthetic pairs, on-policy
-    pairs sampled from `policy_params` and ranked by the task's reward, or both. The
-    held-out sets: the task's synthetic test pairs ("" prefix) when the task has them, and
-    with `cfg.samples_per_prompt` > 0 on-policy pairs of the held-out prompts
-    ("policy_pairs/"; none when every held-out prompt's samples are all right or all wrong)."""
-    pcfg = policy_pairs.PolicyPairsConfig.from_config(cfg)
-    if cfg.pairs in ("task", "both") and task.pairs is None:
-        raise ValueError(f"reward_model.pairs={cfg.pairs!r} needs the task's preference pairs, and task "
-                         f"{task.name!r} has none: set task.num_pairs > 0 (addition), task.kind='pairs' or "
-                         "task.pairs_path (files), or reward_model.pairs='policy'")
-    held_out = {"": task.test_pairs} if task.test_pairs is not None else {}
-    if pcfg is None:
-        return task.pairs, held_out, {}
-    draw = functools.partial(policy_pairs.sample_pairs, policy_model, policy_params, task, cfg=pcfg,
-                             batch_size=train.eval_batch_size, placement=placement)
-    train_rng, test_rng = jax.random.split(rng)
-    test_pairs, test_stats = draw(task.test_prompts, rng=test_rng)
-    if test_stats["pairs"]:
-        held_out["policy_pairs/"] = test_pairs
-    stats = {f"policy_pairs/test_{k}": v for k, v in test_stats.items()}
-    log.info("reward_model: %d held-out on-policy pairs from %d of %d prompts (%d samples each at temperature %g, "
-             "%.3f of them correct)", test_stats["pairs"], test_stats["mixed_prompts"], test_stats["prompts"],
-             pcfg.samples_per_prompt, pcfg.temperature, test_stats["sampled_accuracy"])
-    if not pcfg.train:
-        return task.pairs, held_out, stats
-    pairs, train_stats = draw(policy_pairs.training_prompts(task, pcfg), rng=train_rng)
-    log.info("reward_model: %d on-policy training pairs from %d of %d prompts (%.3f of the samples correct)",
-             train_stats["pairs"], train_stats["mixed_prompts"], train_stats["prompts"],
-             train_stats["sampled_accuracy"])
-    if not train_stats["pairs"]:
-        raise ValueError(f"reward_model.pairs={cfg.pairs!r}: the policy's samples gave no pair (every prompt's "
-                         f"{pcfg.samples_per_prompt} samples all right or all wrong); raise reward_model.temperature "
-                         "or reward_model.samples_per_prompt")
-    if cfg.pairs == "both":
-        pairs = policy_pairs.concat_pairs(task.pairs, pairs, pad_id=task.pad_id)
-    stats.update({f"policy_pairs/train_{k}": v for k, v in train_stats.items()})
-    return pairs, held_out, stats
-
-
 def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
                        placement: Placement | None = None, should_stop=None,
-                       early_stop: EarlyStop | None = None):
-    """Bradley–Terry on preference pairs, starting from the policy's trunk.
+                       early_stop: EarlyStop | None = None, trunk_params=None):
+    """Bradley–Terry on preference pairs, starting from the policy's trunk (or from
+    `trunk_params`, the reward model's own: `reward_model.sft_steps`; the on-policy pairs
+    are the policy's samples all the same).
 
     The pairs (`cfg.pairs`): the task's synthetic ones ("task"), the policy's own samples
     ranked by the task's reward ("policy", `runs.policy_pairs`), or both. Returns `(model,
@@ -396,33 +360,71 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
     on-policy pairs from the held-out prompts, and `policy_pairs/{train,test}_*` count the
     on-policy pairs and the prompts they came from.
 
+    An ensemble (`cfg.ensemble` = K > 1): K members trained on the same pairs, member k
+    with its own score head and batch order from `cfg.seed + k` (checkpoints and metrics
+    under `reward_model`, then `reward_model_<k>`; `early_stop` rules member 0, a fresh
+    copy of it each other member). The params returned are the members stacked
+    (`reward_model.stack_members`); the held-out metrics are those of the ensemble's
+    `cfg.ensemble_reduce` score, each member's beside them as `member<k>/<metric>`. K = 1
+    is the single reward model, unstacked.
+
     With LoRA in `policy_model`'s config (`setup.lora_model`) the trunk (a copy: the train
     state is donated each step) is frozen and fresh adapters plus the score head are trained.
     """
     placement = placement or Placement.local()
-    pairs, held_out, stats = _reward_model_pairs(cfg, train, policy_model=policy_model, policy_params=policy_params,
-                                                 task=task, rng=rng, placement=placement)
-    model, params = reward_model.init_from_policy(policy_model, policy_params, seed=cfg.seed)
-    params = setup.start_adapters(model, params, fresh=True, seed=cfg.seed + 1)
+    pairs, held_out, stats = policy_pairs.phase_pairs(cfg, train, policy_model=policy_model,
+                                                      policy_params=policy_params, task=task, rng=rng,
+                                                      placement=placement)
     rcfg = reward_model.RewardModelConfig(num_microbatches=cfg.num_microbatches)
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
     keys = dpo.PAIR_KEYS
-    batches = _batches({k: pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "reward_model.batch_size")
+    size = cfg.get("ensemble", 1)
+    reduce = reward_model.check_reduce(cfg.get("ensemble_reduce", "mean")) if size > 1 else None
+
+    def evaluate(eval_step, p):
+        return {prefix + k: v for prefix, test in held_out.items()
+                for k, v in _pair_eval(eval_step, p, test, keys, placement).items()}
+
+    members, member_evals = [], {}
+    for k in range(size):
+        stop = early_stop if k == 0 or early_stop is None else dataclasses.replace(early_stop)
+        model, params = _reward_model_member(cfg, train, k, pairs=pairs, rcfg=rcfg, evaluate=evaluate,
+                                             policy_model=policy_model,
+                                             policy_params=policy_params if trunk_params is None else trunk_params,
+                                             workdir=workdir, writer=writer, rng=rng, placement=placement,
+                                             should_stop=should_stop, early_stop=stop)
+        members.append(params)
+        if size > 1:
+            member_evals.update({f"member{k}/{m}": v
+                                 for m, v in evaluate(reward_model.make_eval_step(model, rcfg), params).items()})
+    if size == 1:
+        return model, members[0], {**evaluate(reward_model.make_eval_step(model, rcfg), members[0]), **stats}
+    params = reward_model.stack_members(members)
+    del members
+    ensemble = evaluate(reward_model.make_eval_step(model, rcfg, reduce=reduce), params)
+    return model, params, {**ensemble, **member_evals, **stats}
+
+
+def _reward_model_member(cfg, train, k: int, *, pairs, rcfg, evaluate, policy_model, policy_params, workdir, writer,
+                         rng, placement: Placement, should_stop, early_stop):
+    """Member `k` of the reward-model phase (`reward_model_phase`): `(model, params)`."""
+    seed = cfg.seed + k
+    model, params = reward_model.init_from_policy(policy_model, policy_params, seed=seed)
+    params = setup.start_adapters(model, params, fresh=True, seed=seed + 1)
+    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
+    batches = _batches({key: pairs[key] for key in dpo.PAIR_KEYS}, cfg.batch_size, seed, placement,
+                       "reward_model.batch_size")
     p_sh = placement.param_shardings(model)
     state, state_sh = placement.init_state(lambda p: reward_model.init_state(p, tx), placement.place(params, p_sh),
                                            params_shardings=p_sh)
     step = _sharded_step(reward_model.make_train_step(model, tx, rcfg), placement, state_sh, cfg.batch_size)
     eval_step = reward_model.make_eval_step(model, rcfg)
-
-    def evaluate(p):
-        return {prefix + k: v for prefix, test in held_out.items()
-                for k, v in _pair_eval(eval_step, p, test, keys, placement).items()}
-
+    name = "reward_model" if k == 0 else f"reward_model_{k}"
     state, _ = run_phase(
-        _phase("reward_model", cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
-        workdir=workdir, state=state, step_fn=_timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
-        eval_fn=lambda s: evaluate(s.params), should_stop=should_stop, **_stopping(early_stop))
-    return model, state.params, {**evaluate(state.params), **stats}
+        _phase(name, cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
+        workdir=workdir, state=state, step_fn=_timed_update(step, schedule), batches=batches,
+        rng=rng if k == 0 else jax.random.fold_in(rng, k), writer=writer,
+        eval_fn=lambda s: evaluate(eval_step, s.params), should_stop=should_stop, **_stopping(early_stop))
+    return model, state.params
 
 
 def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
@@ -488,7 +490,7 @@ def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
 
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
               placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None,
-              model_weight: float | None = None):
+              model_weight: float | None = None, ensemble_reduce: str | None = None):
     """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
     (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
     (`ppo.reward="task"`), the task's own reward given the task's extras; with a
@@ -510,6 +512,10 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     head beside the actor's adapters), and reward-model params that are a LoRA part alone
     (`lora.is_part`: adapters and score head, trained on a copy of this same base) run on
     it too. Nothing of the base is copied.
+
+    `ensemble_reduce` ("mean" | "min"): the reward-model params are a stacked ensemble
+    (`reward_model_phase` with `ensemble` > 1), scored by the members' reduced score
+    (`reward_model.as_ensemble_reward`; their disagreement is `reward/reward_model_std`).
     """
     placement = placement or Placement.local()
     pcfg = ppo_config(cfg, task)
@@ -521,6 +527,8 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     elif reward_model_and_params is not None:
         rm_model, rm_params = reward_model_and_params
         reward, keys = rm_model, ()
+        if ensemble_reduce is not None:
+            reward = reward_model.as_ensemble_reward(rm_model, reduce=ensemble_reduce)
     else:
         rm_model = rm_params = None
         reward, keys = rewards_lib.as_reward(task.reward), task.extra_keys
@@ -543,6 +551,8 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     own = lambda p, sh: lora.trainable(sh) if lora.is_part(p) else sh  # a part's shardings: the part's
     if rm_model is not None:
         roles["reward_params"] = placement.param_shardings(rm_model)
+        if ensemble_reduce is not None:
+            roles["reward_params"] = placement.stacked(roles["reward_params"])
         args[1] = placement.place(rm_params, own(rm_params, roles["reward_params"]))
     if critic_model is not None:
         roles["critic"] = placement.param_shardings(critic_model)

@@ -25,11 +25,15 @@ again (recomputed, not stored; a few seconds on the built-in task).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import jax
 import numpy as np
 
 from jaxrlhf.runs.tasks import Task, make_sampled_responses
+
+log = logging.getLogger("jaxrlhf")
 
 PAIR_SOURCES = ("task", "policy", "both")
 
@@ -146,5 +150,46 @@ def training_prompts(task: Task, cfg: PolicyPairsConfig) -> dict:
     return {k: v[:count] for k, v in task.prompts.items()}
 
 
-__all__ = ["PAIR_SOURCES", "PolicyPairsConfig", "concat_pairs", "pairs_from_samples", "sample_pairs",
+def phase_pairs(cfg, train, *, policy_model, policy_params, task: Task, rng, placement):
+    """`(training pairs, {name: held-out pairs}, stats)` of the reward-model phase as
+    `cfg.pairs` picks them: the task's synthetic pairs, on-policy
+    pairs sampled from `policy_params` and ranked by the task's reward, or both. The
+    held-out sets: the task's synthetic test pairs ("" prefix) when the task has them, and
+    with `cfg.samples_per_prompt` > 0 on-policy pairs of the held-out prompts
+    ("policy_pairs/"; none when every held-out prompt's samples are all right or all wrong)."""
+    pcfg = PolicyPairsConfig.from_config(cfg)
+    if cfg.pairs in ("task", "both") and task.pairs is None:
+        raise ValueError(f"reward_model.pairs={cfg.pairs!r} needs the task's preference pairs, and task "
+                         f"{task.name!r} has none: set task.num_pairs > 0 (addition), task.kind='pairs' or "
+                         "task.pairs_path (files), or reward_model.pairs='policy'")
+    held_out = {"": task.test_pairs} if task.test_pairs is not None else {}
+    if pcfg is None:
+        return task.pairs, held_out, {}
+    draw = functools.partial(sample_pairs, policy_model, policy_params, task, cfg=pcfg,
+                             batch_size=train.eval_batch_size, placement=placement)
+    train_rng, test_rng = jax.random.split(rng)
+    test_pairs, test_stats = draw(task.test_prompts, rng=test_rng)
+    if test_stats["pairs"]:
+        held_out["policy_pairs/"] = test_pairs
+    stats = {f"policy_pairs/test_{k}": v for k, v in test_stats.items()}
+    log.info("reward_model: %d held-out on-policy pairs from %d of %d prompts (%d samples each at temperature %g, "
+             "%.3f of them correct)", test_stats["pairs"], test_stats["mixed_prompts"], test_stats["prompts"],
+             pcfg.samples_per_prompt, pcfg.temperature, test_stats["sampled_accuracy"])
+    if not pcfg.train:
+        return task.pairs, held_out, stats
+    pairs, train_stats = draw(training_prompts(task, pcfg), rng=train_rng)
+    log.info("reward_model: %d on-policy training pairs from %d of %d prompts (%.3f of the samples correct)",
+             train_stats["pairs"], train_stats["mixed_prompts"], train_stats["prompts"],
+             train_stats["sampled_accuracy"])
+    if not train_stats["pairs"]:
+        raise ValueError(f"reward_model.pairs={cfg.pairs!r}: the policy's samples gave no pair (every prompt's "
+                         f"{pcfg.samples_per_prompt} samples all right or all wrong); raise reward_model.temperature "
+                         "or reward_model.samples_per_prompt")
+    if cfg.pairs == "both":
+        pairs = concat_pairs(task.pairs, pairs, pad_id=task.pad_id)
+    stats.update({f"policy_pairs/train_{k}": v for k, v in train_stats.items()})
+    return pairs, held_out, stats
+
+
+__all__ = ["PAIR_SOURCES", "PolicyPairsConfig", "concat_pairs", "pairs_from_samples", "phase_pairs", "sample_pairs",
            "training_prompts"]

@@ -115,6 +115,11 @@ class Placement:
                                                                 on_indivisible="replicate")
             return sh
 
+    def stacked(self, shardings: PyTree) -> PyTree:
+        """The shardings of K stacked copies (leaves `[K, ...]`, e.g. a reward-model
+        ensemble): each leaf's sharding with the leading member axis replicated."""
+        return jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), shardings)
+
     def place(self, tree: PyTree, shardings: PyTree) -> PyTree:
         """Arrays (global ones, or host / single-device values that are the same on every
         process) moved onto `shardings`; leaves already there are kept as they are."""

@@ -9,7 +9,7 @@ negative `steps` ran nothing and reported success).
 
 Checked for every phase the run will execute (`stopping.run_phases`):
 - the reward model's `pairs` and, for on-policy pairs, their sampling fields
-  (`runs.policy_pairs.PolicyPairsConfig`);
+  (`runs.policy_pairs.PolicyPairsConfig`), and its `ensemble_reduce`;
 - counts that must be positive (`steps` of the run's own phases, batch sizes,
   `sampling.num_samples`, minibatches, microbatches, ...) or non-negative (`sft.steps`,
   `train.eval_every`, ...);
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from jaxrlhf.algorithms import reward_model
 from jaxrlhf.models import lora, quant
 from jaxrlhf.runs.policy_pairs import PolicyPairsConfig
 from jaxrlhf.runs.stopping import run_phases
@@ -49,7 +50,7 @@ _MINIMUM = {
             "sampling.min_new_tokens": 0, "sampling.slots": 0, "num_ppo_epochs": 1, "num_minibatches": 1,
             "num_microbatches": 1},
     "dpo": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
-    "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
+    "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1, "ensemble": 1, "sft_steps": 0},
     "train": {"log_every": 1, "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 1, "eval_batch_size": 1,
               "eval_samples": 0, "eval_slots": 0},
 }
@@ -75,6 +76,7 @@ def check_values(config) -> None:
     run = run_phases(config)
     if "reward_model" in run:
         PolicyPairsConfig.from_config(config.reward_model)  # reward_model.pairs and its sampling fields
+        reward_model.check_reduce(config.reward_model.get("ensemble_reduce", "mean"))
     for section in (*run, "train"):
         for field, minimum in _MINIMUM[section].items():
             if section == "sft" and field == "steps" and config.algorithm == "sft":
@@ -136,12 +138,18 @@ def lora_phases(config) -> tuple[str, ...]:
         quant.check_kind(section.get("quantize", "none"), rank=section.rank)
     if section is None or lora.from_section(section) is None:
         return ()
+    if "reward_model" in run_phases(config) and config.reward_model.get("sft_steps", 0) > 0:
+        raise ValueError(f"reward_model.sft_steps={config.reward_model.sft_steps} trains the reward model's trunk in "
+                         "full, and model.lora is on: set reward_model.sft_steps=0 (or model.lora.rank=0)")
     available = run_phases(config)
     names = tuple(x for x in section.phases.replace(" ", "").split(",") if x) or available
     for name in names:
         if name not in available:
             raise ValueError(f"model.lora.phases={section.phases!r}: {name!r} is not a phase of this run; its "
                              f"phases are {', '.join(available)}")
+    if "reward_model" in names and config.reward_model.get("ensemble", 1) > 1:
+        raise ValueError(f"reward_model.ensemble={config.reward_model.ensemble}: an ensemble of LoRA reward models "
+                         "is not supported; set reward_model.ensemble=1 or leave reward_model out of model.lora.phases")
     return names
 
 

@@ -227,3 +227,42 @@ def test_learns_a_hidden_reward_from_synthetic_preferences():
     truth = np.concatenate([w[test["chosen_ids"][:, :-1]].sum(1), w[test["rejected_ids"][:, :-1]].sum(1)])
     rank = lambda x: np.argsort(np.argsort(x))
     assert np.corrcoef(rank(scores), rank(truth))[0, 1] > 0.85
+
+
+def test_ensemble_scores_are_the_members_scores_reduced():
+    """K = 3 members (heads drawn from seeds 1, 2, 3) stacked: the ensemble's mean / min and
+    its disagreement equal the members' own scores reduced by hand, under jit."""
+    members = [rm.init_from_policy(POLICY, init_params(POLICY, jax.random.key(0)), seed=s, head_std=0.5)[1]
+               for s in (1, 2, 3)]
+    params_K = rm.stack_members(members)
+    assert jax.tree.leaves(params_K)[0].shape[0] == 3
+    batch = _pairs(np.random.default_rng(0))
+    seq = jnp.concatenate([batch["prompt_ids"], batch["chosen_ids"]], axis=1)
+    attn = jnp.concatenate([batch["prompt_mask"], batch["chosen_mask"]], axis=1)
+    by_hand = np.stack([np.asarray(rm.score(MODEL, p, seq, attn)) for p in members])  # [3, B]
+    assert np.ptp(by_hand, axis=0).min() > 1e-3  # the members do disagree
+    np.testing.assert_allclose(jax.jit(rm.member_scores, static_argnums=0)(MODEL, params_K, seq, attn), by_hand,
+                               rtol=1e-5, atol=1e-6)
+    for reduce, expected in (("mean", by_hand.mean(0)), ("min", by_hand.min(0))):
+        got = jax.jit(lambda p, s, a: rm.ensemble_scores(MODEL, p, s, a, reduce=reduce))(params_K, seq, attn)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        reward = rm.as_ensemble_reward(MODEL, reduce=reduce)
+        from jaxrlhf import rewards
+        inputs = rewards.RewardInput.from_sequences(seq, attn, batch["prompt_ids"].shape[1])
+        scores = jax.jit(lambda p, x: reward.device_scores(x, {}, p))(params_K, inputs)
+        np.testing.assert_allclose(scores["reward_model"], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(scores["reward_model_std"], by_hand.std(0), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(reward.total(scores), expected, rtol=1e-5, atol=1e-6)  # the std weighs 0
+    # pair accuracy of the ensemble: the eval step scores with the reduced score
+    step = rm.make_eval_step(MODEL, rm.RewardModelConfig(), reduce="min")
+    chosen, rejected = rm.pair_scores(MODEL, params_K, batch, reduce="min")
+    assert float(step(params_K, batch)["accuracy"]) == pytest.approx(float(jnp.mean(chosen > rejected)))
+
+
+def test_ensemble_reduce_must_be_mean_or_min():
+    with pytest.raises(ValueError, match=r"reward_model.ensemble_reduce='max'; expected one of \('mean', 'min'\)"):
+        rm.check_reduce("max")
+    with pytest.raises(ValueError, match="reduce='median'"):
+        rm.as_ensemble_reward(MODEL, reduce="median")
+    with pytest.raises(ValueError, match="at least one member"):
+        rm.stack_members([])
