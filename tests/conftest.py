@@ -28,6 +28,7 @@ SLOW_FIRST = (
     # added 2026-12-03 (measured alone: 15-25 s each)
     "runs/test_file_data.py", "runs/test_lora_ppo_run.py", "models/test_lora_dropout.py", "runs/test_qlora_run.py",
     "algorithms/test_kl_placement.py", "algorithms/test_ppo_lora.py", "runs/test_chat_run.py", "algorithms/test_guide.py",
+    "runs/test_reward_ensemble.py",
 )
 
 
