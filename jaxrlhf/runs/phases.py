@@ -384,9 +384,10 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
         return {prefix + k: v for prefix, test in held_out.items()
                 for k, v in _pair_eval(eval_step, p, test, keys, placement).items()}
 
+    # Each member's own copy of the rule, taken before member 0's run records its bests in it.
+    stops = [early_stop] + [None if early_stop is None else dataclasses.replace(early_stop) for _ in range(1, size)]
     members, member_evals = [], {}
-    for k in range(size):
-        stop = early_stop if k == 0 or early_stop is None else dataclasses.replace(early_stop)
+    for k, stop in enumerate(stops):
         model, params = _reward_model_member(cfg, train, k, pairs=pairs, rcfg=rcfg, evaluate=evaluate,
                                              policy_model=policy_model,
                                              policy_params=policy_params if trunk_params is None else trunk_params,
