@@ -55,7 +55,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 
 from jaxrlhf import runlog
@@ -139,7 +138,7 @@ def _reward_model_trunk(config, params, common: dict, *, rng):
     a fresh schedule, batch order from `sft.seed + 1`), checkpointed as phase
     `reward_model_sft`. The policy's params are left as they are."""
     cfg = mlc.ConfigDict(dict(config.sft.to_dict(), steps=config.reward_model.sft_steps, seed=config.sft.seed + 1))
-    copy = jax.tree.map(jnp.copy, params)  # the phase donates its state
+    copy = stopping.copy_params(params)  # the phase donates its state
     trunk, _ = phases.sft_phase(cfg, config.train, **dict(common, eval_fn=None), params=copy, rng=rng,
                                 name="reward_model_sft")
     return trunk
