@@ -136,3 +136,36 @@ def test_ensemble_and_own_trunk_run_end_to_end_and_resume(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows
     assert json.loads((tmp_path / "summary.json").read_text())["stages"] == summary["stages"]
+
+
+def test_each_member_starts_with_a_fresh_copy_of_the_stopping_rule(tmp_path, monkeypatch):
+    """`early_stop` rules member 0; members 1.. get copies of the rule as it was before
+    member 0 ran, not one carrying member 0's best value and count of evaluations."""
+    from jaxrlhf.runs import stopping
+
+    config = _config()
+    task = build_task(config.task)
+    model, params = setup.build_model(config.model, vocab_size=task.vocab_size, pad_id=task.pad_id,
+                                      bos_id=task.bos_id, eos_id=task.eos_id)
+    cfg = config.reward_model
+    cfg.update(steps=2, samples_per_prompt=0, ensemble=2)
+    config.train.eval_every = 1
+    rule = stopping.EarlyStop("accuracy", patience=5)
+    seen = []
+    member = phases._reward_model_member
+
+    def recording(*args, early_stop, **kw):
+        seen.append((early_stop, early_stop.state_dict()))
+        return member(*args, early_stop=early_stop, **kw)
+
+    monkeypatch.setattr(phases, "_reward_model_member", recording)
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    try:
+        phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params, task=task,
+                                  workdir=tmp_path, writer=writer, rng=jax.random.key(0), early_stop=rule)
+    finally:
+        writer.close()
+    fresh = stopping.EarlyStop("accuracy", patience=5).state_dict()
+    assert [s for _, s in seen] == [fresh, fresh]
+    assert seen[0][0] is rule and seen[1][0] is not rule
+    assert rule.best_step is not None  # member 0's evaluations were recorded in the caller's rule
