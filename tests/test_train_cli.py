@@ -138,6 +138,9 @@ def _config(algorithm, **sections):
     ("grpo", {"sft": {"batch_size": 6}}, 4, "sft.batch_size=6 does not split into 4"),
     ("grpo", {"sft": {"steps": 0, "batch_size": 6}}, 4, None),  # SFT does not run: its batch is not checked
     ("grpo", {"grpo": {"dynamic_sampling": True, "pool_size": 6}}, 4, "grpo.pool_size=6"),
+    ("grpo", {"grpo": {"dynamic_sampling": True, "pool_size": 2}}, 1,
+     r"grpo.pool_size=2 is impossible with grpo.dynamic_sampling: the pool must hold at least grpo.prompts_per_step=4"),
+    ("grpo", {"grpo": {"pool_size": 2}}, 1, None),  # without dynamic sampling the pool is unused
     ("grpo", {"grpo": {"num_minibatches": 3}}, 1, "grpo.prompts_per_step × grpo.sampling.num_samples = 16 rows"),
     ("ppo", {"ppo": {"num_minibatches": 2, "num_microbatches": 4}}, 1,
      r"a PPO minibatch \(prompts_per_step × num_samples / num_minibatches\) = 2 rows"),

@@ -86,6 +86,8 @@ def check_values(config) -> None:
             except KeyError:  # a config without this field: nothing to check
                 continue
             _check_minimum(f"{section}.{field}", value, minimum)
+        if section == "grpo":
+            _check_pool(config.grpo)
         sampling = config[section].get("sampling") if section != "train" else None
         if sampling is not None and sampling.get("min_new_tokens", 0) > sampling.max_new_tokens:
             raise ValueError(f"{section}.sampling.min_new_tokens={sampling.min_new_tokens} is impossible: it must be "
@@ -94,6 +96,14 @@ def check_values(config) -> None:
             if section != "train" and name in config[section]:
                 for field, minimum in _OPTIM_MINIMUM.items():
                     _check_minimum(f"{section}.{name}.{field}", config[section][name][field], minimum)
+
+
+def _check_pool(c) -> None:
+    """Dynamic sampling keeps `prompts_per_step` groups out of a pool of `pool_size` prompts
+    (0: the pool is the step's own prompts): the pool must hold at least that many."""
+    if c.get("dynamic_sampling") and 0 < c.get("pool_size", 0) < c.prompts_per_step:
+        raise ValueError(f"grpo.pool_size={c.pool_size} is impossible with grpo.dynamic_sampling: the pool must hold "
+                         f"at least grpo.prompts_per_step={c.prompts_per_step} prompts (0: no larger pool)")
 
 
 def _split(rows: int, rows_name: str, parts: dict) -> None:
