@@ -197,7 +197,10 @@ class GroupSelection(NamedTuple):
 
 def select_groups(scores: jax.Array, group_size: int, num_groups: int) -> GroupSelection:
     """Keeps `num_groups` groups, those whose scores are not all equal first (in order),
-    then groups without signal as padding, so that the batch size stays fixed.
+    then groups without signal as padding, so that the batch size stays fixed: the lowest
+    scores first (a group whose answers are all equally wrong before one whose answers are
+    all right; both have zero advantage, but guidance, `GRPOConfig.guide_coef`, still
+    teaches the failed ones), in order among equal scores.
 
     Args:
       scores: `[M·G]` sequence scores of M ≥ num_groups contiguous groups.
@@ -210,8 +213,10 @@ def select_groups(scores: jax.Array, group_size: int, num_groups: int) -> GroupS
         raise ValueError(f"dynamic sampling keeps {num_groups} groups per step but only {m} prompts were "
                          "sampled: pass a prompt pool of at least prompts_per_step prompts")
     s = scores.reshape(m, group_size)
-    has = jnp.max(s, axis=1) > jnp.min(s, axis=1)
-    order = jnp.argsort(jnp.where(has, 0, 1).astype(jnp.int32), stable=True)
+    best = jnp.max(s, axis=1)
+    has = best > jnp.min(s, axis=1)
+    # sorted by signal first, then (padding only) the best score, then the pool order
+    order = jnp.lexsort((jnp.arange(m), jnp.where(has, 0.0, best), jnp.where(has, 0, 1)))
     keep = order[:num_groups]
     indices = (keep[:, None] * group_size + jnp.arange(group_size)[None]).reshape(-1)
     kept_signal = has[keep]

@@ -181,12 +181,18 @@ def test_select_groups_keeps_the_batch_full():
     # 5 groups of G = 2; groups 1 and 3 have signal.
     scores = jnp.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 3.0, 2.0, 0.0, 0.0])
     sel = grpo.select_groups(scores, 2, 3)
-    np.testing.assert_array_equal(sel.indices, [2, 3, 6, 7, 0, 1])  # signal groups first, then padding
+    # signal groups first, then padding, the lowest scores first (group 4's 0 before group 2's 0.5)
+    np.testing.assert_array_equal(sel.indices, [2, 3, 6, 7, 8, 9])
     np.testing.assert_array_equal(sel.has_signal, [True, True, False])
     np.testing.assert_allclose(sel.kept_fraction, 2 / 3)
     np.testing.assert_allclose(sel.signal_fraction, 2 / 5)
+    sel = grpo.select_groups(scores, 2, 5)
+    np.testing.assert_array_equal(sel.indices, [2, 3, 6, 7, 8, 9, 4, 5, 0, 1])
     sel = grpo.select_groups(scores, 2, 1)
     np.testing.assert_array_equal(sel.indices, [2, 3])
+    # padding among equal scores keeps the pool's order
+    np.testing.assert_array_equal(grpo.select_groups(jnp.array([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), 2, 3).indices,
+                                  [2, 3, 0, 1, 4, 5])
     with pytest.raises(ValueError, match="prompt pool"):
         grpo.select_groups(scores, 2, 6)
 
