@@ -11,8 +11,10 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-# 300 SFT steps, so that the policy starts with short answers that the length reward can grow
+# 300 SFT steps, so that the policy starts with short answers that the length reward can grow;
+# plain GRPO (the config's guidance on the reference answers would hold the length down)
 BROKEN = ["--config.sft.steps=300", "--config.sft.batch_size=64", "--config.grpo.steps=16",
+          "--config.grpo.guide_coef=0", "--config.grpo.dynamic_sampling=False",
           "--config.grpo.optim.schedule=constant", "--config.grpo.optim.warmup_steps=0", "--config.grpo.optim.lr=3e-3",
           "--config.task.length_bonus=1.0", "--config.grpo.sampling.max_new_tokens=8", "--config.train.monitor.kl_target=0.01",
           "--config.train.monitor.length_window=6"]
