@@ -15,8 +15,8 @@ memory bandwidth measured in the same process (a streaming sum over a 512 MiB ar
 the measured seconds per new token.
 
 With `--tunix-python`, Google's Tunix sampler runs too, in that interpreter's environment
-(`tunix_rollout_worker.py`; Tunix's own Llama3 at the workload's sizes, same jax), right
-after ours and transformers' for each B, in the same run.
+(`tunix_rollout_worker.py`; Tunix's own Llama3 at the same shapes, `--shape` included, same
+jax), right after ours and transformers' for each B, in the same run.
 
 The `jaxrlhf` row is `generate` as a user calls it: on this CPU it runs the prompts as one
 row block per core, each on its own thread (`cpu_threads`, jaxrlhf/rollout/sampler.py),
@@ -80,10 +80,11 @@ def main():
                     help="the model's shapes: the workload's tiny Llama, or a real checkpoint's")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="new tokens per row (default 64)")
     ap.add_argument("--slots", type=int, nargs="+", default=[32], help="--skewed: slot counts S")
+    ap.add_argument("--no-one-program", action="store_true", help="skip the `cpu_threads=1` row (saves time at large B)")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
-    if args.shape != "workload" and (args.tunix_python or args.cpu_devices > 1 or args.skewed):
-        ap.error("--shape runs jaxrlhf and transformers only: the Tunix and multi-device workers and --skewed "
+    if args.shape != "workload" and (args.cpu_devices > 1 or args.skewed):
+        ap.error("--shape runs jaxrlhf, transformers and Tunix only: the multi-device worker and --skewed "
                  "build the workload's model")
     if args.skewed:
         return skewed(args, warmup, repeats)
@@ -147,7 +148,8 @@ def main():
                 hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
 
-        for name, fn in (("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf)):
+        arms = (("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf))
+        for name, fn in arms[::2] if args.no_one_program else arms:
             with _common.CpuWatch() as watch:
                 t = _common.timed(fn, warmup=warmup, repeats=repeats)
             t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * new_tokens / t["median_s"],
@@ -157,7 +159,9 @@ def main():
                 t.update(first_call_s=compile_s, row_blocks=sampler.cpu_row_blocks(b, params, jbatch))
             results["runs"].append(t)
         if args.tunix_python:
-            results["runs"].append(_run_tunix(args.tunix_python, b, warmup, repeats, args.prompts))
+            t = _run_tunix(args.tunix_python, b, warmup, repeats, args.prompts, args.shape, new_tokens)
+            t["weight_floor_fraction"] = weight_bytes / (results["bandwidth_gb_s"] * 1e9) / (t["median_s"] / new_tokens)
+            results["runs"].append(t)
         if args.cpu_devices > 1:
             sampled = generate(model, params, jbatch, jmask, jax.random.key(7), max_new_tokens=new_tokens)
             results["runs"].append(_run_devices(args.cpu_devices, b, warmup, repeats, args.prompts,
@@ -295,16 +299,18 @@ def skewed(args, warmup: int, repeats: int):
     print("wrote", _common.write_json(args.out, "rollout_skewed.json", results))
 
 
-def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str | None) -> dict:
-    """Tunix's sampler on the same workload, in its own interpreter (see the module doc)."""
+def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str | None, shape: str = "workload",
+               new_tokens: int = NEW_TOKENS) -> dict:
+    """Tunix's sampler on the same workload and model shapes, in its own interpreter (see the
+    module doc)."""
     cmd = [python, str(Path(__file__).with_name("tunix_rollout_worker.py")), "--batch", str(batch),
-           "--warmup", str(warmup), "--repeats", str(repeats)] + (["--prompts", prompts] if prompts else [])
-    r, watch = _common.run_json_worker(cmd, "tunix")
-    if r["new_tokens_per_row"] != [NEW_TOKENS]:
-        raise RuntimeError(f"tunix generated {r['new_tokens_per_row']} tokens per row, expected {NEW_TOKENS}")
+           "--warmup", str(warmup), "--repeats", str(repeats), "--shape", shape, "--new-tokens", str(new_tokens)]
+    r, watch = _common.run_json_worker(cmd + (["--prompts", prompts] if prompts else []), "tunix")
+    if r["new_tokens_per_row"] != [new_tokens]:
+        raise RuntimeError(f"tunix generated {r['new_tokens_per_row']} tokens per row, expected {new_tokens}")
     t = _common.summary(r["times"])
     # The watch spans the worker's start-up and compile too; its own process is excluded.
-    t.update(watch.result(), impl="tunix", batch=batch, tokens_per_s=batch * NEW_TOKENS / t["median_s"],
+    t.update(watch.result(), impl="tunix", batch=batch, tokens_per_s=batch * new_tokens / t["median_s"],
              first_call_s=r["first_call_s"], versions={"tunix": r["tunix"], "jax": r["jax"]})
     return t
 

@@ -14,6 +14,11 @@ weight values or on a constant. Prompts are the workload's 16
 rows given as word-level text without BOS (32 tokens each); EOS is a forbidden token, so
 every row gets exactly 64 new tokens, as `min_new_tokens=64` does for transformers.
 Prints one JSON line: per-call wall seconds of `sampler(...)` after warm-up.
+
+`--shape smollm2 --new-tokens N` (from `bench_rollout.py --shape smollm2`): the same
+sampler on a SmolLM2-135M-shaped Llama3 (30 layers, 576 wide, 1536 MLP, 9/3 heads of 64,
+V = 49,152, tied embeddings, RoPE θ 1e5 as given), N new tokens per row, and a word-level
+vocabulary that names every id of V.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+SHAPES = {
+    "workload": dict(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=688, num_heads=4, head_dim=64,
+                     num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6),
+    "smollm2": dict(num_layers=30, vocab_size=49152, embed_dim=576, hidden_dim=1536, num_heads=9, head_dim=64,
+                    num_kv_heads=3, rope_theta=100_000, norm_eps=1e-5, weight_tying=True),
+}
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -36,6 +48,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--prompts", default=None)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="workload")
+    ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
 
     import jax
@@ -46,15 +60,16 @@ def main():
     from tunix.generate import sampler as sampler_lib
     from tunix.models.llama3 import model as llama3
 
-    cfg = llama3.ModelConfig(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=688, num_heads=4, head_dim=64,
-                             num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6)
+    shape = SHAPES[args.shape]
+    cfg = llama3.ModelConfig(**shape)
     model = llama3.Llama3(cfg, rngs=nnx.Rngs(params=0))
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, cfg.vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    cache = 128 if args.shape == "workload" else 32 + args.new_tokens
     sampler = sampler_lib.Sampler(model, tokenizer, sampler_lib.CacheConfig(
-        cache_size=128, num_layers=4, num_kv_heads=2, head_dim=64))
+        cache_size=cache, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
 
     prompts = np.asarray(_common.load_workload(args.prompts)["prompts"])
     rows = np.concatenate([prompts] * (-(-args.batch // len(prompts))))[:args.batch]
@@ -62,7 +77,7 @@ def main():
     assert sampler.tokenize(texts[0]).tolist() == rows[0].tolist(), "prompt must be the 32 workload ids, no BOS"
 
     def call(seed):
-        out = sampler(texts, max_generation_steps=64, max_prompt_length=32, temperature=1.0, top_p=1.0,
+        out = sampler(texts, max_generation_steps=args.new_tokens, max_prompt_length=32, temperature=1.0, top_p=1.0,
                       forbidden_tokens=[2], seed=seed, pad_output=True)
         return out
 
