@@ -56,9 +56,12 @@ def test_refused_before_any_work(tmp_path, args, last):
 
 
 def test_batch_that_misfits_the_mesh_is_refused_before_sft(tmp_path):
-    """On 2 devices, 3 prompts per GRPO step do not split: said before the SFT phase runs."""
+    """On 2 devices, 3 prompts per GRPO step do not split: said before the SFT phase runs.
+    (Without the tiny config's dynamic sampling: its pool of 8 prompts splits, and the 3 kept
+    groups' 12 rows do too.)"""
     workdir = tmp_path / "w"
-    proc = _train(GRPO, "--config.grpo.prompts_per_step=3", f"--workdir={workdir}", devices=2)
+    proc = _train(GRPO, "--config.grpo.prompts_per_step=3", "--config.grpo.dynamic_sampling=False",
+                  f"--workdir={workdir}", devices=2)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert _last_line(proc).startswith("error: grpo.prompts_per_step=3 does not split into the 2 row shards of mesh "
                                        "(data=2, fsdp=1, tensor=1)")
