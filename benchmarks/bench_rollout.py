@@ -112,6 +112,11 @@ def main():
                "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
                "torch": torch.__version__, "runs": []}
 
+    def floor_fraction(median_s: float) -> float:
+        """The weight-streaming floor (weights read once per new token at the measured
+        bandwidth) over the measured seconds per new token."""
+        return weight_bytes / (results["bandwidth_gb_s"] * 1e9) / (median_s / new_tokens)
+
     # Same tokens under greedy decoding: the two implementations compute the same model.
     p8 = prompts[:2]
     greedy = generate(model, params, p8, np.ones_like(p8, bool), jax.random.key(0), max_new_tokens=16,
@@ -148,19 +153,18 @@ def main():
                 hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
 
-        arms = (("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf))
-        for name, fn in arms[::2] if args.no_one_program else arms:
+        arms = [("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf)]
+        for name, fn in [a for a in arms if not (args.no_one_program and a[1] is run_one_program)]:
             with _common.CpuWatch() as watch:
                 t = _common.timed(fn, warmup=warmup, repeats=repeats)
             t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * new_tokens / t["median_s"],
-                     weight_floor_fraction=weight_bytes / (results["bandwidth_gb_s"] * 1e9)
-                     / (t["median_s"] / new_tokens))
+                     weight_floor_fraction=floor_fraction(t["median_s"]))
             if name == "jaxrlhf":
                 t.update(first_call_s=compile_s, row_blocks=sampler.cpu_row_blocks(b, params, jbatch))
             results["runs"].append(t)
         if args.tunix_python:
             t = _run_tunix(args.tunix_python, b, warmup, repeats, args.prompts, args.shape, new_tokens)
-            t["weight_floor_fraction"] = weight_bytes / (results["bandwidth_gb_s"] * 1e9) / (t["median_s"] / new_tokens)
+            t["weight_floor_fraction"] = floor_fraction(t["median_s"])
             results["runs"].append(t)
         if args.cpu_devices > 1:
             sampled = generate(model, params, jbatch, jmask, jax.random.key(7), max_new_tokens=new_tokens)

@@ -77,6 +77,8 @@ def check_values(config) -> None:
     if "reward_model" in run:
         PolicyPairsConfig.from_config(config.reward_model)  # reward_model.pairs and its sampling fields
         reward_model.check_reduce(config.reward_model.get("ensemble_reduce", "mean"))
+    if "grpo" in run:
+        _check_pool(config.grpo)
     for section in (*run, "train"):
         for field, minimum in _MINIMUM[section].items():
             if section == "sft" and field == "steps" and config.algorithm == "sft":
@@ -86,8 +88,6 @@ def check_values(config) -> None:
             except KeyError:  # a config without this field: nothing to check
                 continue
             _check_minimum(f"{section}.{field}", value, minimum)
-        if section == "grpo":
-            _check_pool(config.grpo)
         sampling = config[section].get("sampling") if section != "train" else None
         if sampling is not None and sampling.get("min_new_tokens", 0) > sampling.max_new_tokens:
             raise ValueError(f"{section}.sampling.min_new_tokens={sampling.min_new_tokens} is impossible: it must be "
