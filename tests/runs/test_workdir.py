@@ -178,7 +178,11 @@ def test_a_sigterm_outside_a_phase_releases_the_lock_and_ends_the_process(tmp_pa
             "from jaxrlhf.runs import workdir\n"
             "config = mlc.ConfigDict(dict(algorithm='sft', sft=dict(steps=1)))\n"
             f"with workdir.claim({str(tmp_path)!r}, config):\n"
-            "    print('claimed', flush=True); time.sleep(60)\n")
+            "    print('claimed', flush=True)\n"
+            "    for _ in range(1200): time.sleep(0.05)\n")  # short sleeps: see below
+    # The process has a second thread (imported libraries'), and the kernel may hand the signal to
+    # it: Python then runs the handler only when the main thread next runs bytecode, which one
+    # 60-second `time.sleep` delayed past this test's wait (a failure seen once in a suite run).
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
