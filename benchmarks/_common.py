@@ -33,6 +33,12 @@ LLAMA = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
              rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# A real checkpoint's shapes over the workload's (SmolLM2-135M-Instruct's config.json), for the
+# benchmarks' `--shape smollm2`; a random init of them times what the checkpoint would.
+SHAPES = {"workload": {}, "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                          head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
+                                          max_position_embeddings=8192)}
 
 
 def load_workload(path: str | None = None) -> dict:
@@ -59,11 +65,12 @@ def token_fraction_reward(target: int, name: str):
     return rewards.jax_reward(fraction_of_target, name=name)
 
 
-def hf_llama_config(**extra):
-    """The workload's `transformers.LlamaConfig`; `extra` (e.g. `attn_implementation`) goes to its constructor."""
+def hf_llama_config(shape: str = "workload", **extra):
+    """The workload's `transformers.LlamaConfig`, with `SHAPES[shape]`'s sizes; `extra` (e.g.
+    `attn_implementation`) goes to its constructor."""
     import transformers
 
-    return transformers.LlamaConfig(**LLAMA, **extra)
+    return transformers.LlamaConfig(**{**LLAMA, **SHAPES[shape]}, **extra)
 
 
 def jax_llama_config(**overrides):
@@ -84,13 +91,14 @@ def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", **extra):
     return getattr(transformers, cls_name)(cfg).eval()
 
 
-def word_tokenizer(padding_side: str = "right"):
+def word_tokenizer(padding_side: str = "right", vocab_size: int = 512):
     """WORKLOAD.md tokenizer for the trainers that want text: word level, `"t17 t300"` <->
-    `[17, 300]`, ids 0..3 are `<pad> <bos> <eos> <unk>`, no special tokens added."""
+    `[17, 300]`, ids 0..3 are `<pad> <bos> <eos> <unk>`, no special tokens added; `vocab_size`
+    ids in all (a larger model's vocabulary: every id it can sample decodes)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 512)}}
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",

@@ -21,6 +21,14 @@ the same weights (the torch init, `torch.manual_seed(0)`, read into JAX with
     python benchmarks/bench_grpo.py --quick            # 1 warm-up + 2 timed steps, a smoke run
     python benchmarks/bench_grpo.py --tunix-python /tmp/venv_tunix/bin/python   # + Tunix
     python benchmarks/bench_grpo.py --lora 16          # + LoRA rows: jaxrlhf and TRL + PEFT
+    python benchmarks/bench_grpo.py --shape smollm2 --warmup 1 --time-split   # a real checkpoint's shapes
+
+`--shape smollm2` runs the same workload on a SmolLM2-135M-shaped Llama (30 layers, 576 wide,
+9/3 heads, V = 49,152, tied embeddings; `_common.SHAPES`), random torch init as above; the
+word tokenizer then covers all 49,152 ids. `--time-split` runs jaxrlhf's step as the three
+timed programs of the command line's default (`make_iteration(time_split=True)`) and records
+where its time goes (`time_split`: median rollout, scoring and update seconds; its generation
+share is then the rollout's, with no separate rollout timing).
 
 With `--lora R`, both frameworks also run the same workload training rank-R adapters on
 every projection (q/k/v/o, gate/up/down; alpha 2R, no dropout) instead of all weights:
@@ -66,7 +74,7 @@ G, T_NEW, TARGET, PROMPTS_PER_STEP = 8, 64, 7, 2
 # --------------------------------------------------------------------------- jaxrlhf
 
 
-def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0):
+def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0, time_split=False):
     import jax
     import jax.numpy as jnp
 
@@ -91,7 +99,7 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0):
     reward = _common.token_fraction_reward(TARGET, name="frac7")
     # prompt_buckets=None: the prompts keep the length the peers run them at.
     iteration = grpo.make_iteration(model, tx, cfg, reward, schedule=schedule, donate=True, prompt_buckets=None,
-                                    time_split=False)
+                                    time_split=time_split)
     rollout = jax.jit(functools.partial(grpo.rollout, model=model, cfg=cfg))
     box = {"state": grpo.init_state(params, tx)}
     rng = jax.random.key(0)
@@ -106,9 +114,10 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0):
         box["state"], metrics = iteration(box["state"], ids, mask, {}, rng)
         return jax.device_get(metrics)
 
-    def gen(i):
-        ids, mask = batch(i)
-        jax.block_until_ready(rollout(box["state"], ids, mask, rng))
+    def gen(i):  # the step's own split times its rollout
+        if not time_split:
+            ids, mask = batch(i)
+            jax.block_until_ready(rollout(box["state"], ids, mask, rng))
 
     t0 = time.perf_counter()
     first = step(0)
@@ -128,29 +137,33 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0):
             t0 = time.perf_counter()
             gen(i)
             gen_times.append(time.perf_counter() - t0)
-    med_step, med_gen = statistics.median(step_times), statistics.median(gen_times)
-    return dict(
+    med_step = statistics.median(step_times)
+    split = {part: statistics.median(float(m[f"time/{part}_s"]) for m in history)
+             for part in ("rollout", "scoring", "update")} if time_split else None
+    med_gen = split["rollout"] if time_split else statistics.median(gen_times)
+    return dict(time_split=split,
         stats=_common.summary(step_times, count_key="n"), step_times=step_times, generation_times=gen_times,
         generation_share=med_gen / med_step, first_call_s=compile_s, rollout_first_call_s=rollout_compile_s,
         first_step=dict(reward_mean=float(first["reward/mean"]), ratio_max=float(first["ratio_max"]),
                         clipfrac=float(first["clipfrac"]), grad_norm=float(first["grad_norm"]),
                         response_length_mean=float(first["response_length/mean"])),
         last_reward_mean=float(history[-1]["reward/mean"]), cpu_watch=watch.result(detail=True),
-        note="one jitted program per step (rollout + reward + advantages + update, state donated); generation "
-             "timed separately as the jitted rollout alone")
+        note="three timed programs per step (rollout; reward + advantages; update), state donated"
+        if time_split else "one jitted program per step (rollout + reward + advantages + update, state donated); "
+        "generation timed separately as the jitted rollout alone")
 
 
 # --------------------------------------------------------------------------- TRL
 
 
-def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing, lora_rank=0):
+def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing, lora_rank=0, shape="workload"):
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    model = transformers.LlamaForCausalLM(_common.hf_llama_config(attn_implementation="sdpa"))
+    model = transformers.LlamaForCausalLM(_common.hf_llama_config(shape, attn_implementation="sdpa"))
     model.load_state_dict(tm_state_dict)
-    tokenizer = _common.word_tokenizer(padding_side="left")
+    tokenizer = _common.word_tokenizer(padding_side="left", vocab_size=model.config.vocab_size)
     prompts = [" ".join(f"t{int(t)}" for t in row) for row in prompts_64x32]
     assert tokenizer(prompts[0])["input_ids"] == [int(t) for t in prompts_64x32[0]]
     dataset = datasets.Dataset.from_dict({"prompt": prompts})
@@ -230,7 +243,15 @@ def main(argv=None):
                     help="also run both frameworks training rank-R LoRA adapters (TRL through peft)")
     ap.add_argument("--tunix-python", default=None,
                     help="a python with google-tunix installed: also run Tunix's GRPOLearner (tunix_grpo_worker.py)")
+    ap.add_argument("--shape", choices=sorted(_common.SHAPES), default="workload",
+                    help="the model's shapes: the workload's tiny Llama, or a real checkpoint's")
+    ap.add_argument("--trl-grad-ckpt", choices=("both", "on", "off"), default="both",
+                    help="TRL's gradient checkpointing: both rows (default), or only its default (on) or off")
+    ap.add_argument("--time-split", action="store_true",
+                    help="jaxrlhf's step as three timed programs, with its rollout / scoring / update seconds")
     args = ap.parse_args(argv)
+    if args.tunix_python and args.shape != "workload":
+        ap.error("--tunix-python runs the workload's shapes only (tunix_grpo_worker.py builds them)")
     if args.quick:
         args.warmup, args.steps = 1, 2
     elif args.steps < 6:
@@ -248,7 +269,7 @@ def main(argv=None):
     order = np.random.default_rng(0).permutation(len(prompts))
 
     torch.manual_seed(0)
-    tm = transformers.LlamaForCausalLM(_common.hf_llama_config(attn_implementation="sdpa"))
+    tm = transformers.LlamaForCausalLM(_common.hf_llama_config(args.shape, attn_implementation="sdpa"))
     n_params = sum(p.numel() for p in tm.parameters())
     state_dict = {k: v.clone() for k, v in tm.state_dict().items()}
     results, errors = {}, {}
@@ -261,16 +282,18 @@ def main(argv=None):
     if args.framework in ("both", "jax"):
         with tempfile.TemporaryDirectory() as ckpt:
             tm.save_pretrained(ckpt, safe_serialization=True)
-            results["jaxrlhf"] = run_jax(ckpt, prompts, order, args.warmup, args.steps)
+            results["jaxrlhf"] = run_jax(ckpt, prompts, order, args.warmup, args.steps, time_split=args.time_split)
             if args.lora:
                 results[f"jaxrlhf lora {args.lora}"] = run_jax(ckpt, prompts, order, args.warmup, args.steps,
-                                                               lora_rank=args.lora)
+                                                               lora_rank=args.lora, time_split=args.time_split)
     del tm
     if args.framework in ("both", "trl"):
-        for rank, gc in [(0, True), (0, False)] + ([(args.lora, True), (args.lora, False)] if args.lora else []):
+        ckpt_modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.trl_grad_ckpt]
+        for rank, gc in [(r, gc) for r in ([0, args.lora] if args.lora else [0]) for gc in ckpt_modes]:
             name = f"trl{f' lora {rank}' if rank else ''} (grad ckpt {'on' if gc else 'off'})"
             try:
-                results[name] = run_trl(state_dict, prompts, args.warmup, args.steps, gc, lora_rank=rank)
+                results[name] = run_trl(state_dict, prompts, args.warmup, args.steps, gc, lora_rank=rank,
+                                        shape=args.shape)
             except ImportError as e:  # TRL (or peft) not installed: report the rest
                 errors[name] = f"{type(e).__name__}: {e}"
     if args.tunix_python:
@@ -296,7 +319,7 @@ def main(argv=None):
         versions["tunix"] = results["tunix"]["versions"]["tunix"]
         versions["jax_tunix_env"] = results["tunix"]["versions"]["jax"]
     result = dict(
-        workload="WORKLOAD.md measurement 3 (GRPO step)", params=n_params, results=results, errors=errors,
+        workload="WORKLOAD.md measurement 3 (GRPO step)", shape=args.shape, params=n_params, results=results, errors=errors,
         quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_common.peak_rss_mib(),
         peak_rss_note=f"whole process, frameworks run: {args.framework}"
         + (" (tunix ran in a subprocess: its own peak RSS is in its row)" if args.tunix_python else ""),
@@ -338,12 +361,21 @@ def _markdown(r) -> str:
         lines.append(f"| {name} | {s['min_s']:.3f} | {s['median_s']:.3f} | {s['max_s']:.3f} | "
                      f"{res['generation_share']:.0%} | {res['first_step']['reward_mean']} | "
                      f"{res['cpu_watch']['others_cores']:.2f} |")
-    extra = [f"params {r['params']:,}; {r['steps']} timed steps after {r['warmup']} warm-up"
+    extra = [f"shape {r['shape']}, params {r['params']:,}; {r['steps']} timed steps after {r['warmup']} warm-up"
              + (" (--quick: a smoke run, not a result)" if r["quick"] else "")]
     jx = r["results"].get("jaxrlhf")
     if jx:
         extra.append(f"jaxrlhf first call (compile + step) {jx['first_call_s']:.1f} s; first step ratio_max "
                      f"{jx['first_step']['ratio_max']}, clipfrac {jx['first_step']['clipfrac']}")
+        for name, res in r["results"].items():
+            if res.get("time_split"):
+                extra.append(f"{name} time split (medians): " + ", ".join(
+                    f"{part} {sec:.3f} s" for part, sec in res["time_split"].items()))
+        for name, res in r["results"].items():
+            if name.startswith("trl"):
+                gen = statistics.median(res["generation_times"])
+                extra.append(f"{name}: generation {gen:.3f} s, the rest of the step {res['stats']['median_s'] - gen:.3f} s"
+                             " (medians)")
         for name, res in r["results"].items():
             if name.startswith("jaxrlhf"):
                 continue

@@ -58,11 +58,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 NEW_TOKENS = 64
-# A real checkpoint's shapes (SmolLM2-135M-Instruct's config.json), for `--shape smollm2`.
-SHAPES = {"workload": {}, "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                          head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
-                                          max_position_embeddings=8192)}
 SKEW_T, SKEW_SAMPLES, SKEW_EOS, SKEW_BIAS = 96, 4, 2, 0.75
 
 
@@ -76,7 +71,7 @@ def main():
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="also run the sampler with the batch over this many CPU devices (0: off)")
     ap.add_argument("--skewed", action="store_true", help="continuous batching on a skewed-length workload")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="workload",
+    ap.add_argument("--shape", choices=sorted(_common.SHAPES), default="workload",
                     help="the model's shapes: the workload's tiny Llama, or a real checkpoint's")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="new tokens per row (default 64)")
     ap.add_argument("--slots", type=int, nargs="+", default=[32], help="--skewed: slot counts S")
@@ -99,7 +94,7 @@ def main():
     torch.set_num_threads(2)
     workload = _common.load_workload(args.prompts)
     prompts = np.asarray(workload["prompts"], np.int32)
-    hf = _common.hf_llama(seed=0, **SHAPES[args.shape])
+    hf = _common.hf_llama(seed=0, **_common.SHAPES[args.shape])
     new_tokens = args.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
