@@ -114,20 +114,21 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0, time_spl
         box["state"], metrics = iteration(box["state"], ids, mask, {}, rng)
         return jax.device_get(metrics)
 
-    def gen(i):  # the step's own split times its rollout
-        if not time_split:
-            ids, mask = batch(i)
-            jax.block_until_ready(rollout(box["state"], ids, mask, rng))
+    def gen(i):
+        ids, mask = batch(i)
+        jax.block_until_ready(rollout(box["state"], ids, mask, rng))
 
+    # With the time split the step times its own rollout; without it the rollout runs again alone.
+    gen_alone = (lambda i: None) if time_split else gen
     t0 = time.perf_counter()
     first = step(0)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    gen(0)
-    rollout_compile_s = time.perf_counter() - t0
+    gen_alone(0)
+    rollout_compile_s = None if time_split else time.perf_counter() - t0
     for i in range(1, warmup):
         step(i)
-        gen(i)
+        gen_alone(i)
     step_times, gen_times, history = [], [], []
     with _common.CpuWatch() as watch:
         for i in range(warmup, total):
@@ -135,22 +136,25 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0, time_spl
             history.append(step(i))
             step_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            gen(i)
+            gen_alone(i)
             gen_times.append(time.perf_counter() - t0)
-    med_step = statistics.median(step_times)
-    split = {part: statistics.median(float(m[f"time/{part}_s"]) for m in history)
-             for part in ("rollout", "scoring", "update")} if time_split else None
-    med_gen = split["rollout"] if time_split else statistics.median(gen_times)
-    return dict(time_split=split,
+    split = None
+    if time_split:
+        gen_times = [float(m["time/rollout_s"]) for m in history]
+        split = {part: statistics.median(float(m[f"time/{part}_s"]) for m in history)
+                 for part in ("rollout", "scoring", "update")}
+    return dict(
         stats=_common.summary(step_times, count_key="n"), step_times=step_times, generation_times=gen_times,
-        generation_share=med_gen / med_step, first_call_s=compile_s, rollout_first_call_s=rollout_compile_s,
+        generation_share=statistics.median(gen_times) / statistics.median(step_times), time_split=split,
+        first_call_s=compile_s, rollout_first_call_s=rollout_compile_s,
         first_step=dict(reward_mean=float(first["reward/mean"]), ratio_max=float(first["ratio_max"]),
                         clipfrac=float(first["clipfrac"]), grad_norm=float(first["grad_norm"]),
                         response_length_mean=float(first["response_length/mean"])),
         last_reward_mean=float(history[-1]["reward/mean"]), cpu_watch=watch.result(detail=True),
-        note="three timed programs per step (rollout; reward + advantages; update), state donated"
-        if time_split else "one jitted program per step (rollout + reward + advantages + update, state donated); "
-        "generation timed separately as the jitted rollout alone")
+        note="three timed programs per step (rollout; reward + advantages; update), state donated; generation "
+             "is the step's own rollout time" if time_split else
+             "one jitted program per step (rollout + reward + advantages + update, state donated); generation "
+             "timed separately as the jitted rollout alone")
 
 
 # --------------------------------------------------------------------------- TRL
@@ -319,7 +323,8 @@ def main(argv=None):
         versions["tunix"] = results["tunix"]["versions"]["tunix"]
         versions["jax_tunix_env"] = results["tunix"]["versions"]["jax"]
     result = dict(
-        workload="WORKLOAD.md measurement 3 (GRPO step)", shape=args.shape, params=n_params, results=results, errors=errors,
+        workload="WORKLOAD.md measurement 3 (GRPO step)", shape=args.shape, params=n_params, results=results,
+        errors=errors,
         quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_common.peak_rss_mib(),
         peak_rss_note=f"whole process, frameworks run: {args.framework}"
         + (" (tunix ran in a subprocess: its own peak RSS is in its row)" if args.tunix_python else ""),
@@ -374,8 +379,8 @@ def _markdown(r) -> str:
         for name, res in r["results"].items():
             if name.startswith("trl"):
                 gen = statistics.median(res["generation_times"])
-                extra.append(f"{name}: generation {gen:.3f} s, the rest of the step {res['stats']['median_s'] - gen:.3f} s"
-                             " (medians)")
+                rest = res["stats"]["median_s"] - gen
+                extra.append(f"{name}: generation {gen:.3f} s, the rest of the step {rest:.3f} s (medians)")
         for name, res in r["results"].items():
             if name.startswith("jaxrlhf"):
                 continue
