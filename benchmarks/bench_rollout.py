@@ -155,7 +155,9 @@ def main():
             t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * new_tokens / t["median_s"],
                      weight_floor_fraction=floor_fraction(t["median_s"]))
             if name == "jaxrlhf":
-                t.update(first_call_s=compile_s, row_blocks=sampler.cpu_row_blocks(b, params, jbatch))
+                # The blocks `generate` ran: its default rule reads the weights' size too.
+                t.update(first_call_s=compile_s,
+                         row_blocks=sampler.cpu_row_blocks(b, params, jbatch, weight_bytes=weight_bytes))
             results["runs"].append(t)
         if args.tunix_python:
             t = _run_tunix(args.tunix_python, b, warmup, repeats, args.prompts, args.shape, new_tokens)
