@@ -38,7 +38,7 @@ LLAMA = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_
 SHAPES = {"workload": {}, "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                           head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
-                                          max_position_embeddings=8192)}
+                                          rms_norm_eps=1e-5, max_position_embeddings=8192)}
 
 
 def load_workload(path: str | None = None) -> dict:

@@ -34,12 +34,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-SHAPES = {
-    "workload": dict(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=688, num_heads=4, head_dim=64,
-                     num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6),
-    "smollm2": dict(num_layers=30, vocab_size=49152, embed_dim=576, hidden_dim=1536, num_heads=9, head_dim=64,
-                    num_kv_heads=3, rope_theta=100_000, norm_eps=1e-5, weight_tying=True),
-}
+def tunix_config(shape: str) -> dict:
+    """`_common.SHAPES[shape]` over the workload's Llama, in Tunix's `llama3.ModelConfig` field names."""
+    hf = {**_common.LLAMA, **_common.SHAPES[shape]}
+    return dict(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
+                hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
+                num_kv_heads=hf["num_key_value_heads"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+                weight_tying=hf["tie_word_embeddings"])
 
 
 def main():
@@ -48,7 +49,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--prompts", default=None)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="workload")
+    ap.add_argument("--shape", choices=sorted(_common.SHAPES), default="workload")
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
 
@@ -60,8 +61,7 @@ def main():
     from tunix.generate import sampler as sampler_lib
     from tunix.models.llama3 import model as llama3
 
-    shape = SHAPES[args.shape]
-    cfg = llama3.ModelConfig(**shape)
+    cfg = llama3.ModelConfig(**tunix_config(args.shape))
     model = llama3.Llama3(cfg, rngs=nnx.Rngs(params=0))
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, cfg.vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
