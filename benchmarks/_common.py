@@ -79,13 +79,13 @@ def jax_llama_config(**overrides):
     return from_hf_config(hf_llama_config(), **overrides)
 
 
-def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", **extra):
-    """The workload's torch model: HF default init after `torch.manual_seed(seed)`."""
+def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", shape: str = "workload", **extra):
+    """The workload's torch model (`SHAPES[shape]`'s sizes): HF default init after `torch.manual_seed(seed)`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    cfg = hf_llama_config()
+    cfg = hf_llama_config(shape)
     for k, v in extra.items():
         setattr(cfg, k, v)
     return getattr(transformers, cls_name)(cfg).eval()

@@ -114,30 +114,28 @@ def run_jax(ckpt_dir, prompts_64x32, order, warmup, steps, lora_rank=0, time_spl
         box["state"], metrics = iteration(box["state"], ids, mask, {}, rng)
         return jax.device_get(metrics)
 
-    def gen(i):
+    def gen(i):  # the rollout run again alone, seconds; None with the time split (the step timed its own)
+        if time_split:
+            return None
         ids, mask = batch(i)
+        t0 = time.perf_counter()
         jax.block_until_ready(rollout(box["state"], ids, mask, rng))
+        return time.perf_counter() - t0
 
-    # With the time split the step times its own rollout; without it the rollout runs again alone.
-    gen_alone = (lambda i: None) if time_split else gen
     t0 = time.perf_counter()
     first = step(0)
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    gen_alone(0)
-    rollout_compile_s = None if time_split else time.perf_counter() - t0
+    rollout_compile_s = gen(0)
     for i in range(1, warmup):
         step(i)
-        gen_alone(i)
+        gen(i)
     step_times, gen_times, history = [], [], []
     with _common.CpuWatch() as watch:
         for i in range(warmup, total):
             t0 = time.perf_counter()
             history.append(step(i))
             step_times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            gen_alone(i)
-            gen_times.append(time.perf_counter() - t0)
+            gen_times.append(gen(i))
     split = None
     if time_split:
         gen_times = [float(m["time/rollout_s"]) for m in history]

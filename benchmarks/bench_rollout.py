@@ -75,7 +75,8 @@ def main():
                     help="the model's shapes: the workload's tiny Llama, or a real checkpoint's")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="new tokens per row (default 64)")
     ap.add_argument("--slots", type=int, nargs="+", default=[32], help="--skewed: slot counts S")
-    ap.add_argument("--no-one-program", action="store_true", help="skip the `cpu_threads=1` row (saves time at large B)")
+    ap.add_argument("--no-one-program", action="store_true",
+                    help="skip the `cpu_threads=1` row (saves time at large B)")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
     if args.shape != "workload" and (args.cpu_devices > 1 or args.skewed):
@@ -94,7 +95,7 @@ def main():
     torch.set_num_threads(2)
     workload = _common.load_workload(args.prompts)
     prompts = np.asarray(workload["prompts"], np.int32)
-    hf = _common.hf_llama(seed=0, **_common.SHAPES[args.shape])
+    hf = _common.hf_llama(seed=0, shape=args.shape)
     new_tokens = args.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)

@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+
 def tunix_config(shape: str) -> dict:
     """`_common.SHAPES[shape]` over the workload's Llama, in Tunix's `llama3.ModelConfig` field names."""
     hf = {**_common.LLAMA, **_common.SHAPES[shape]}
