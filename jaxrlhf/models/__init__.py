@@ -8,6 +8,7 @@ from jaxrlhf.models.checkpoint import (
     random_init,
     save_pretrained,
 )
+from jaxrlhf.models._kernels import decode_compiler_options
 from jaxrlhf.models.hf_layout import hf_tensor_map, stack_layers, unstack_layers
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig, RopeScaling, UnsupportedConfigError, from_hf_config, to_hf_dict
 from jaxrlhf.models.transformer import (
@@ -25,7 +26,7 @@ from jaxrlhf.models.transformer import (
 )
 
 __all__ = [
-    "CheckpointError", "encode_prompt", "hf_tensor_map", "load_pretrained", "load_tokenizer",
+    "CheckpointError", "decode_compiler_options", "encode_prompt", "hf_tensor_map", "load_pretrained", "load_tokenizer",
     "random_init", "save_pretrained",
     "HEADS", "KVCache", "REMAT_POLICIES", "ModelConfig", "ModelOutput", "RopeScaling", "Transformer",
     "UnsupportedConfigError", "count_params", "from_hf_config", "init_cache", "init_params",

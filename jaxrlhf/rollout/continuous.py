@@ -34,8 +34,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models import decode_compiler_options
 from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
-from jaxrlhf.rollout.sampler import SampleOutput, _check, _pick, _row_keys, _step_noise, is_stop, prefill, stop_ids
+from jaxrlhf.rollout.sampler import (SampleOutput, _check, _pick, _row_keys, _step_noise, is_stop, platform_of, prefill,
+                                     stop_ids)
 
 
 def check_slots(slots) -> int:
@@ -188,8 +190,9 @@ def sample_continuous(
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(model, **static):
-    return jax.jit(functools.partial(sample_continuous, model, **static))
+def _compiled(model, options: tuple = (), **static):
+    """`sample_continuous` jitted with these static arguments and XLA `options`."""
+    return jax.jit(functools.partial(sample_continuous, model, **static), compiler_options=dict(options) or None)
 
 
 def generate_continuous(
@@ -219,7 +222,9 @@ def generate_continuous(
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
            min_new_tokens, eos_id)
-    fn = _compiled(model, slots=check_slots(slots), max_new_tokens=int(max_new_tokens),
+    rows = min(check_slots(slots), prompt_ids.shape[0] * int(num_samples))
+    weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
+    fn = _compiled(model, decode_compiler_options(rows, weight_bytes, platform_of(params)), slots=check_slots(slots), max_new_tokens=int(max_new_tokens),
                    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                    eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id), num_samples=int(num_samples), max_len=max_len,
                    min_new_tokens=int(min_new_tokens))

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import decode_compiler_options
 from jaxrlhf.models.transformer import Transformer, init_cache, project_logits
 
 
@@ -328,8 +329,18 @@ def sample(
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(model, **static):
-    return jax.jit(functools.partial(sample, model, **static))
+def _compiled(model, options: tuple = (), **static):
+    """`sample` jitted with these static arguments and XLA `options` (`(name, value)` pairs)."""
+    return jax.jit(functools.partial(sample, model, **static), compiler_options=dict(options) or None)
+
+
+def platform_of(tree) -> str:
+    """The platform of the first `jax.Array` in `tree` ("cpu", "gpu", "tpu"), else JAX's
+    default backend (traced or host arrays)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return next(iter(leaf.sharding.device_set)).platform
+    return jax.default_backend()
 
 
 @jax.jit
@@ -442,13 +453,14 @@ def generate(
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
            min_new_tokens, eos_id)
-    fn = _compiled(model, max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
-                   top_p=float(top_p), eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id), num_samples=int(num_samples),
-                   max_len=max_len, min_new_tokens=int(min_new_tokens))
     b = prompt_ids.shape[0]
     weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
     blocks = cpu_row_blocks(b, params, prompt_ids, prompt_mask, rng, cpu_threads=cpu_threads,
                             rows_per_prompt=int(num_samples), weight_bytes=weight_bytes)
+    options = decode_compiler_options(b // blocks * int(num_samples), weight_bytes, platform_of(params))
+    fn = _compiled(model, options, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                   top_k=int(top_k), top_p=float(top_p), eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id),
+                   num_samples=int(num_samples), max_len=max_len, min_new_tokens=int(min_new_tokens))
     if blocks == 1:
         return fn(params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng)
     rows = b // blocks

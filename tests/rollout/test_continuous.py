@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxrlhf.algorithms import experience
-from jaxrlhf.models import ModelConfig, Transformer, init_params
-from jaxrlhf.rollout import generate, generate_continuous, sample_continuous
+from jaxrlhf.models import ModelConfig, Transformer, _kernels, init_params
+from jaxrlhf.rollout import continuous, generate, generate_continuous, sample_continuous
 
 EOS = 2
 CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -65,6 +65,20 @@ def test_a_queue_shorter_than_the_slots():
     ids, mask = _prompts(2, 6, seed=2)
     static, cont = _both(MODEL, PARAMS, ids, mask, jax.random.key(2), slots=8, max_new_tokens=7, temperature=0.7,
                          top_p=0.9, eos_id=EOS)
+    _assert_same(static, cont)
+
+
+def test_with_the_few_row_cpu_options_both_samplers_still_agree(monkeypatch):
+    """As if the tiny model's weights streamed from memory: both samplers compile with
+    `decode_compiler_options` (XLA's own dots instead of YNNPACK's) and still agree."""
+    monkeypatch.setattr(_kernels, "_CPU_STREAMED_WEIGHT_BYTES", 0)
+    seen, compiled = [], continuous._compiled
+    monkeypatch.setattr(continuous, "_compiled", lambda model, options=(), **static: seen.append(options) or compiled(
+        model, options, **static))
+    ids, mask = _prompts(6, 5, seed=3)
+    static, cont = _both(MODEL, PARAMS, ids, mask, jax.random.key(3), slots=4, max_new_tokens=6, temperature=1.0,
+                         eos_id=EOS, num_samples=2)
+    assert seen == [_kernels._CPU_FEW_ROW_OPTIONS]
     _assert_same(static, cont)
 
 

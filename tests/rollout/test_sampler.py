@@ -9,7 +9,7 @@ import pytest
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import common
-from jaxrlhf.models import ModelConfig, Transformer, init_params
+from jaxrlhf.models import ModelConfig, Transformer, _kernels, decode_compiler_options, init_params
 from jaxrlhf.rollout import SampleOutput, generate, sampler, truncate_logits
 
 CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -254,6 +254,42 @@ def test_the_default_splits_only_where_blocks_keep_one_row_per_12_mib_of_weights
     assert sampler.cpu_row_blocks(64, PARAMS, weight_bytes=324 * mib) == 2  # 32 rows a block: faster
     assert sampler.cpu_row_blocks(64, PARAMS, weight_bytes=large) == 1
     assert sampler.cpu_row_blocks(16, PARAMS, cpu_threads=2, weight_bytes=large) == 2  # an explicit choice stands
+
+
+def test_decode_compiler_options_only_for_few_rows_of_streamed_weights_on_cpu(monkeypatch):
+    mib = 2**20
+    few_rows = _kernels._CPU_FEW_ROW_OPTIONS
+    assert decode_compiler_options(8, 513 * mib, "cpu") == few_rows  # SmolLM2-135M in float32
+    assert decode_compiler_options(32, 513 * mib, "cpu") == few_rows
+    assert decode_compiler_options(33, 513 * mib, "cpu") == ()  # YNNPACK's dots win from 64 rows
+    assert decode_compiler_options(8, 12 * mib, "cpu") == ()  # weights in cache: YNNPACK's win
+    assert decode_compiler_options(8, 513 * mib, "gpu") == ()
+    assert decode_compiler_options(8, 513 * mib, "tpu") == ()
+    assert _kernels._accepted(few_rows)  # this jaxlib knows the flag (else the rule is a no-op)
+    assert not _kernels._accepted((("xla_cpu_no_such_option", "1"),))
+    monkeypatch.setattr(_kernels, "_CPU_FEW_ROW_OPTIONS", (("xla_cpu_no_such_option", "1"),))
+    assert decode_compiler_options(8, 513 * mib, "cpu") == ()  # a jaxlib that refuses it: defaults
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0, num_samples=2),
+    dict(temperature=0.0, eos_id=4),
+])
+def test_few_row_cpu_options_sample_the_same_tokens(monkeypatch, kw):
+    ids, mask = _prompts(np.random.default_rng(21), 4, 6)
+    run = lambda: generate(MODEL, PARAMS, ids, mask, jax.random.key(8), max_new_tokens=9, cpu_threads=1, **kw)
+    default = run()
+    monkeypatch.setattr(_kernels, "_CPU_STREAMED_WEIGHT_BYTES", 0)  # the tiny model as if its weights streamed
+    seen, compiled = [], sampler._compiled
+    monkeypatch.setattr(sampler, "_compiled", lambda model, options=(), **static: seen.append(options) or compiled(
+        model, options, **static))
+    with_options = run()
+    assert seen == [_kernels._CPU_FEW_ROW_OPTIONS]
+    for name, x, y in zip(SampleOutput._fields, default, with_options):
+        if name == "logprobs":  # the dots' summation order differs
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
 
 
 def test_noise_chunk_size_never_changes_a_sample(monkeypatch):
