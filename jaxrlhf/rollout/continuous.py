@@ -224,7 +224,8 @@ def generate_continuous(
            min_new_tokens, eos_id)
     rows = min(check_slots(slots), prompt_ids.shape[0] * int(num_samples))
     weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
-    fn = _compiled(model, decode_compiler_options(rows, weight_bytes, platform_of(params)), slots=check_slots(slots), max_new_tokens=int(max_new_tokens),
+    options = decode_compiler_options(rows, weight_bytes, platform_of(params))
+    fn = _compiled(model, options, slots=check_slots(slots), max_new_tokens=int(max_new_tokens),
                    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                    eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id), num_samples=int(num_samples), max_len=max_len,
                    min_new_tokens=int(min_new_tokens))
