@@ -218,7 +218,8 @@ def generate_continuous(
     Same arguments and `SampleOutput` as `generate` (the same tokens for the same key), plus
     `slots`: S, the rows decoded at once, each slot taking the next queued row when its own
     ends. Faster than one static batch where response lengths spread (most rows end early,
-    a few run long); one program, no CPU row blocks.
+    a few run long); one program, no CPU row blocks; compiled as `generate` compiles a
+    program of S rows (`models.decode_compiler_options`).
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
            min_new_tokens, eos_id)
