@@ -1,0 +1,200 @@
+"""Which dots a CPU decode step should use: XLA:CPU's YNNPACK dots against its own.
+
+    python benchmarks/bench_decode_dots.py                  # all three parts
+    python benchmarks/bench_decode_dots.py --parts chain    # one part
+
+XLA:CPU sends every dot to YNNPACK by default; `models.decode_compiler_options` compiles a
+decode of few rows through large weights with XLA's own (Eigen) dots instead. Each part
+times both forms of the same jitted program alternately in one process (medians):
+
+- `chain`: a SmolLM2-135M-shaped stack's seven projections (30 layers, [M, 576] rows,
+  q/o 576², k/v 576 × 192, gate/up 576 × 1536, down 1536 × 576; 425 MB of float32
+  weights, separate arrays as the unrolled model holds them) for M = 1 .. 128; also with
+  bfloat16 weights and bfloat16 × bfloat16 → float32 dots (the accelerators' form), which
+  reads half the bytes.
+- `generate`: `rollout.generate` on the SmolLM2-135M shape (random init; `--batch`,
+  `--new-tokens`) and on the workload's tiny model, compiled with `()` and with
+  `_CPU_FEW_ROW_OPTIONS`, as one program and (tiny model) as two row blocks; the tokens
+  must be equal.
+- `dtype`: the whole model's float32 against bfloat16 params with float32 compute and
+  against bfloat16 params and compute (`load_pretrained(dtype=, param_dtype=)`), one
+  `generate` each with the default options.
+
+Writes benchmarks/results/decode_dots.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+
+def _alternate(arms: dict, args: tuple, repeats: int) -> dict:
+    """Median seconds of each `arms[name](*args)` (jitted), run alternately after one warm-up."""
+    import jax
+
+    for fn in arms.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, fn in arms.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def chain(rows: list[int], repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.models import _kernels
+
+    d, f, kv, layers = 576, 1536, 192, 30
+    rng = np.random.default_rng(0)
+    shapes = dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, f), up=(d, f), down=(f, d))
+    w32 = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for n, s in shapes.items()}
+           for _ in range(layers)]
+    w16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), w32)
+
+    def stack(bf16: bool):
+        def mm(x, w):
+            return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32) if bf16 else x @ w
+
+        def f(h, weights):
+            for w in weights:
+                q, k, v = mm(h, w["q"]), mm(h, w["k"]), mm(h, w["v"])
+                h = h + mm(q + jnp.tile(k + v, (1, 3)), w["o"])
+                h = h + mm(jax.nn.silu(mm(h, w["gate"])) * mm(h, w["up"]), w["down"])
+                h = h * 0.5
+            return h
+        return f
+
+    xla = dict(_kernels._CPU_FEW_ROW_OPTIONS)
+    out = []
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, d), np.float32))
+        f32 = _alternate({"ynnpack": jax.jit(stack(False)), "xla": jax.jit(stack(False), compiler_options=xla)},
+                         (x, w32), repeats)
+        b16 = _alternate({"ynnpack": jax.jit(stack(True)), "xla": jax.jit(stack(True), compiler_options=xla)},
+                         (x, w16), repeats)
+        row = dict(rows=m, f32_ynnpack_s=f32["ynnpack"], f32_xla_s=f32["xla"], bf16_ynnpack_s=b16["ynnpack"],
+                   bf16_xla_s=b16["xla"])
+        print(f"chain M={m}: float32 YNNPACK {row['f32_ynnpack_s'] * 1e3:.1f} ms, XLA {row['f32_xla_s'] * 1e3:.1f} ms; "
+              f"bf16 YNNPACK {row['bf16_ynnpack_s'] * 1e3:.1f} ms, XLA {row['bf16_xla_s'] * 1e3:.1f} ms", flush=True)
+        out.append(row)
+    return out
+
+
+def _load(shape: str, **kw):
+    from jaxrlhf.models import load_pretrained
+
+    hf = _common.hf_llama(seed=0, shape=shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        return load_pretrained(tmp, **kw)
+
+
+def generate_ab(batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.models import _kernels
+    from jaxrlhf.rollout import generate, sampler
+
+    prompts = np.asarray(_common.load_workload()["prompts"], np.int32)
+    real = sampler._compiled
+    out = []
+    cases = [("smollm2", b, 1) for b in batches] + [("workload", 16, 1), ("workload", 16, 2)]
+    models = {}
+    for shape, b, threads in cases:
+        if shape not in models:
+            models[shape] = _load(shape)
+        model, params = models[shape]
+        ids = jnp.asarray(np.concatenate([prompts] * (b // len(prompts) + 1))[:b])
+        mask = jnp.ones_like(ids, bool)
+        n = new_tokens if shape != "workload" else 64
+
+        def arm(options):
+            def run(key):
+                sampler._compiled = lambda model, _options=(), **static: real(model, options, **static)
+                try:
+                    return generate(model, params, ids, mask, key, max_new_tokens=n, cpu_threads=threads)
+                finally:
+                    sampler._compiled = real
+            return run
+
+        arms = {"ynnpack": arm(()), "xla": arm(_kernels._CPU_FEW_ROW_OPTIONS)}
+        ours, theirs = (arms[a](jax.random.key(3)).response_ids for a in ("ynnpack", "xla"))
+        same = bool((ours == theirs).all())
+        t = _alternate(arms, (jax.random.key(1),), repeats)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        row = dict(shape=shape, batch=b, cpu_threads=threads, new_tokens=n, ynnpack_s=t["ynnpack"], xla_s=t["xla"],
+                   tokens_equal=same, default_rule=list(map(list, _kernels.decode_compiler_options(
+                       b // threads, weight_bytes, "cpu"))))
+        print(f"generate {shape} B={b} x {n} tokens, {threads} block(s): YNNPACK {t['ynnpack']:.2f} s, XLA "
+              f"{t['xla']:.2f} s ({t['ynnpack'] / t['xla']:.2f}x); tokens equal {same}; the rule picks "
+              f"{'XLA' if row['default_rule'] else 'YNNPACK'}", flush=True)
+        out.append(row)
+    return out
+
+
+def dtypes(batch: int, new_tokens: int, repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.rollout import generate
+
+    prompts = np.asarray(_common.load_workload()["prompts"], np.int32)
+    ids = jnp.asarray(np.concatenate([prompts] * (batch // len(prompts) + 1))[:batch])
+    mask = jnp.ones_like(ids, bool)
+    out = []
+    for name, kw in (("float32", {}), ("bf16 params, f32 compute", dict(param_dtype="bfloat16", dtype="float32")),
+                     ("bf16 params and compute", dict(param_dtype="bfloat16", dtype="bfloat16"))):
+        loaded = _load("smollm2", **kw)
+        run = lambda key, loaded=loaded: generate(*loaded, ids, mask, key, max_new_tokens=new_tokens)
+        t = _alternate({name: run}, (jax.random.key(1),), repeats)[name]
+        print(f"dtype {name}: B={batch} x {new_tokens} tokens {t:.2f} s", flush=True)
+        out.append(dict(dtype=name, batch=batch, new_tokens=new_tokens, median_s=t))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parts = ["chain", "generate", "dtype"]
+    ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import jax
+
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
+               "machine": platform.processor() or platform.machine()}
+    with _common.CpuWatch() as watch:
+        if "chain" in args.parts:
+            results["chain"] = chain(args.rows, args.repeats)
+        if "generate" in args.parts:
+            results["generate"] = generate_ab(args.batch, args.new_tokens, max(3, args.repeats // 2))
+        if "dtype" in args.parts:
+            results["dtype"] = dtypes(args.batch[0], args.new_tokens, max(2, args.repeats // 2))
+    results.update(watch.result())
+    print(f"others' cores {results['others_cores']}")
+    print("wrote", _common.write_json(args.out, "decode_dots.json", results))
+
+
+if __name__ == "__main__":
+    main()
