@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxrlhf.models import decode_compiler_options
 from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
 from jaxrlhf.rollout.sampler import (SampleOutput, _check, _pick, _row_keys, _step_noise, is_stop, platform_of, prefill,
-                                     stop_ids)
+                                     stop_ids, weight_bytes_of)
 
 
 def check_slots(slots) -> int:
@@ -223,10 +223,10 @@ def generate_continuous(
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
            min_new_tokens, eos_id)
-    rows = min(check_slots(slots), prompt_ids.shape[0] * int(num_samples))
-    weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
-    options = decode_compiler_options(rows, weight_bytes, platform_of(params))
-    fn = _compiled(model, options, slots=check_slots(slots), max_new_tokens=int(max_new_tokens),
+    slots = check_slots(slots)
+    rows = min(slots, prompt_ids.shape[0] * int(num_samples))
+    options = decode_compiler_options(rows, weight_bytes_of(params), platform_of(params))
+    fn = _compiled(model, options, slots=slots, max_new_tokens=int(max_new_tokens),
                    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                    eos_id=stop_ids(eos_id) or None, pad_id=int(pad_id), num_samples=int(num_samples), max_len=max_len,
                    min_new_tokens=int(min_new_tokens))

@@ -334,6 +334,11 @@ def _compiled(model, options: tuple = (), **static):
     return jax.jit(functools.partial(sample, model, **static), compiler_options=dict(options) or None)
 
 
+def weight_bytes_of(params) -> int:
+    """Bytes of every array in `params` (what each decode step reads)."""
+    return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
+
+
 def platform_of(tree) -> str:
     """The platform of the first `jax.Array` in `tree` ("cpu", "gpu", "tpu"), else JAX's
     default backend (traced or host arrays)."""
@@ -458,7 +463,7 @@ def generate(
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
            min_new_tokens, eos_id)
     b = prompt_ids.shape[0]
-    weight_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params))
+    weight_bytes = weight_bytes_of(params)
     blocks = cpu_row_blocks(b, params, prompt_ids, prompt_mask, rng, cpu_threads=cpu_threads,
                             rows_per_prompt=int(num_samples), weight_bytes=weight_bytes)
     options = decode_compiler_options(b // blocks * int(num_samples), weight_bytes, platform_of(params))
