@@ -76,6 +76,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -
                  for _ in range(n))
 
 
+def grow_cache(cache, slots: int):
+    """`cache` (either layout of `init_cache`) with empty slots appended up to `slots`: slot
+    s keeps its keys and values, so a decode loop can attend over the first slots only and
+    grow its cache as the responses grow (`rollout.sampler.decode_windows`)."""
+    def pad(x, axis):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, slots - x.shape[axis])
+        return jnp.pad(x, widths)
+    grow = lambda kv: KVCache(pad(kv.k, -1), pad(kv.v, -2))  # keys [.., H, S], values [.., S, H]
+    return grow(cache) if isinstance(cache, KVCache) else tuple(map(grow, cache))
+
+
 def _cache_slots(config: ModelConfig, cache) -> int:
     """S, the slot count of a cache in the layout the config expects (else a ValueError)."""
     n = config.num_layers
@@ -506,6 +518,29 @@ def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.
     chunks of a long response) instead of materialising `[B, L, V]` logits.
     """
     logits = _rows_matmul(hidden_BxLxD.astype(jnp.dtype(config.dtype)), lm_head_weight(config, params))
+    return attention.capped(logits, config.final_logit_softcapping)
+
+
+def lm_head_rows(config: ModelConfig, params) -> jax.Array:
+    """The LM head as `[V, D]` rows in the compute dtype (`lm_head_weight(...).T`): the tied
+    embedding itself, else a transposed copy of the `lm_head` kernel (adapter folded in).
+    A sampler takes it once before its decode loop for `vocab_major_logits`."""
+    if config.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"].astype(jnp.dtype(config.dtype))
+    return lm_head_weight(config, params).T
+
+
+def vocab_major_logits(config: ModelConfig, head_VxD: jax.Array, hidden_NxD: jax.Array) -> jax.Array:
+    """`[N, V]` logits of a few rows (a decode step) from the `[V, D]` head rows of
+    `lm_head_rows`: computed as the `[V, N]` product `head @ hidden.T`, then transposed. The
+    optimisation barrier keeps XLA from folding the transpose back into the dot, whose
+    `[N, V]` form reads the head across its rows: on XLA:CPU the vocab-major product of a
+    SmolLM2-sized head ([49152, 576]) took 10.5 against 22.0 ms at N = 8 and 15.4 against
+    30.4 ms at N = 16 (docs/benchmarks.md, "The LM head of a decode step"); the [N, V]
+    transpose after it is a few MB. Same numbers as `project_logits` up to the dots'
+    summation order."""
+    hidden = hidden_NxD.astype(head_VxD.dtype)
+    logits = jax.lax.optimization_barrier(head_VxD @ hidden.T).T
     return attention.capped(logits, config.final_logit_softcapping)
 
 

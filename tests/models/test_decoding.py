@@ -99,3 +99,25 @@ def test_bfloat16_cache_with_float32_params(hf_store):
     assert out.logits.dtype == jnp.float32
     np.testing.assert_allclose(got[valid], full[valid], atol=0.05 * np.abs(full).max())
     assert np.abs(got[valid] - full[valid]).max() > 0  # the cache really is rounded
+
+
+@pytest.mark.parametrize("tied, soft_cap, lora_head", [(True, None, False), (False, 30.0, False), (False, None, True)])
+def test_vocab_major_logits_equal_the_heads_logits(tied, soft_cap, lora_head):
+    from jaxrlhf.models import ModelConfig, Transformer, init_params, lm_head_rows, project_logits, vocab_major_logits
+    from jaxrlhf.models.lora import LoraConfig
+
+    cfg = ModelConfig(vocab_size=41, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, max_position_embeddings=32, tie_word_embeddings=tied,
+                      final_logit_softcapping=soft_cap,
+                      lora=LoraConfig(rank=2, targets=("lm_head",)) if lora_head else None)
+    params = init_params(Transformer(cfg), jax.random.key(0))
+    if lora_head:  # a trained adapter (B = 0 at init would add exactly nothing)
+        params["lm_head"]["lora_b"] = jax.random.normal(jax.random.key(1), params["lm_head"]["lora_b"].shape)
+    hidden = jax.random.normal(jax.random.key(2), (5, 16))
+    got = jax.jit(lambda p, h: vocab_major_logits(cfg, lm_head_rows(cfg, p), h))(params, hidden)
+    want = jax.jit(lambda p, h: project_logits(cfg, p, h))(params, hidden)
+    assert got.shape == (5, 41)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    full = Transformer(cfg).apply({"params": params}, jnp.ones((1, 3), jnp.int32))  # the model's own head
+    head_of_hidden = vocab_major_logits(cfg, lm_head_rows(cfg, params), full.hidden[0])
+    np.testing.assert_allclose(np.asarray(head_of_hidden), np.asarray(full.logits[0]), atol=1e-5, rtol=1e-5)

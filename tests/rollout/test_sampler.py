@@ -351,3 +351,35 @@ def test_greedy_equals_transformers_generate(tmp_path):
         theirs = hf.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
                              do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
     np.testing.assert_array_equal(np.asarray(ours.response_ids), theirs[:, 7:].numpy())
+
+
+def test_decode_windows_split_long_decodes_into_up_to_four_segments():
+    assert sampler.decode_windows(1) == (1,)
+    assert sampler.decode_windows(127) == (127,)
+    assert sampler.decode_windows(128) == (64, 128)
+    assert sampler.decode_windows(130) == (65, 130)
+    assert sampler.decode_windows(256) == (64, 128, 192, 256)
+    assert sampler.decode_windows(1000) == (250, 500, 750, 1000)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0, num_samples=2),  # every row runs through both segments
+    dict(temperature=0.0, eos_id=4),
+    dict(temperature=1.0, top_k=5, eos_id=4, min_new_tokens=70),  # EOS inside the second segment
+])
+def test_cache_windows_and_the_vocab_major_head_never_change_a_sample(monkeypatch, kw):
+    model = Transformer(CFG.replace(max_position_embeddings=256))  # the same params, room for 130 tokens
+    ids, mask = _prompts(np.random.default_rng(17), 3, 6)
+    run = lambda: jax.jit(functools.partial(sampler.sample, model, max_new_tokens=130, **kw))(
+        PARAMS, ids, mask, jax.random.key(4))
+    assert sampler.decode_windows(130) == (65, 130) and _kernels.vocab_major_decode_head("cpu")
+    windowed = run()
+    monkeypatch.setattr(sampler, "_MAX_WINDOWS", 1)
+    monkeypatch.setattr(sampler, "vocab_major_decode_head", lambda: False)
+    whole = run()  # one cache of P + T slots, logits from the model's own head
+    assert int(np.asarray(whole.lengths).max()) > 65  # the second segment ran
+    for name, x, y in zip(SampleOutput._fields, whole, windowed):
+        if name == "logprobs":  # the head's dot sums in another order
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
