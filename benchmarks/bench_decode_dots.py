@@ -1,7 +1,8 @@
 """Which dots a CPU decode step should use: XLA:CPU's YNNPACK dots against its own.
 
-    python benchmarks/bench_decode_dots.py                  # all three parts
+    python benchmarks/bench_decode_dots.py                  # chain, generate, dtype
     python benchmarks/bench_decode_dots.py --parts chain    # one part
+    python benchmarks/bench_decode_dots.py --parts head windows --rows 8 16 64 --batch 8 16 --new-tokens 256
 
 XLA:CPU sends every dot to YNNPACK by default; `models.decode_compiler_options` compiles a
 decode of few rows through large weights with XLA's own (Eigen) dots instead. Each part
@@ -19,6 +20,12 @@ times both forms of the same jitted program alternately in one process (medians)
 - `dtype`: the whole model's float32 against bfloat16 params with float32 compute and
   against bfloat16 params and compute (`load_pretrained(dtype=, param_dtype=)`), one
   `generate` each with the default options.
+- `head`: a SmolLM2-sized tied LM head ([49152, 576]) on M rows, `hidden @ E.T` (what the
+  model's head computes) against `models.vocab_major_logits` (`E @ hidden.T`, transposed
+  after an optimisation barrier), with YNNPACK's and XLA's dots.
+- `windows`: `generate` on the SmolLM2 shape (`--batch`, `--new-tokens`) as before the
+  decode windows and the vocab-major head (one cache of P + T slots, the model's head),
+  with the head only, and with both (the default); the tokens must be equal.
 
 Writes benchmarks/results/decode_dots.json (or --out).
 """
@@ -169,10 +176,70 @@ def dtypes(batch: int, new_tokens: int, repeats: int) -> list[dict]:
     return out
 
 
+def head(rows: list[int], repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.models import _kernels
+
+    e = jax.random.normal(jax.random.key(0), (49152, 576), jnp.float32) * 0.02
+    out = []
+    for m in rows:
+        h = jax.random.normal(jax.random.key(1), (m, 576), jnp.float32)
+        arms = {}
+        for dots, options in (("ynnpack", None), ("xla", dict(_kernels._CPU_FEW_ROW_OPTIONS))):
+            arms[f"row_major_{dots}"] = jax.jit(lambda h, e: h @ e.T, compiler_options=options)
+            arms[f"vocab_major_{dots}"] = jax.jit(lambda h, e: jax.lax.optimization_barrier(e @ h.T).T,
+                                                  compiler_options=options)
+        t = _alternate(arms, (h, e), repeats)
+        print(f"head M={m}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
+        out.append(dict(rows=m, **{f"{k}_ms": v * 1e3 for k, v in t.items()}))
+    return out
+
+
+def windows(batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.rollout import generate, sampler
+
+    prompts = np.asarray(_common.load_workload()["prompts"], np.int32)
+    model, params = _load("smollm2")
+    real = (sampler._compiled, sampler._MAX_WINDOWS, sampler.vocab_major_decode_head)
+    out = []
+    for b in batches:
+        ids = jnp.asarray(np.concatenate([prompts] * (b // len(prompts) + 1))[:b])
+        mask = jnp.ones_like(ids, bool)
+
+        def arm(max_windows, vocab_major):
+            compiled = functools.lru_cache(maxsize=8)(real[0].__wrapped__)  # this arm's own programs
+
+            def run(key):
+                sampler._compiled, sampler._MAX_WINDOWS = compiled, max_windows
+                sampler.vocab_major_decode_head = lambda: vocab_major
+                try:
+                    return generate(model, params, ids, mask, key, max_new_tokens=new_tokens)
+                finally:
+                    sampler._compiled, sampler._MAX_WINDOWS, sampler.vocab_major_decode_head = real
+            return run
+
+        arms = {"before": arm(1, False), "head": arm(1, True), "windows_and_head": arm(real[1], True)}
+        ids_of = {k: np.asarray(f(jax.random.key(3)).response_ids) for k, f in arms.items()}
+        same = all(bool((v == ids_of["before"]).all()) for v in ids_of.values())
+        t = _alternate(arms, (jax.random.key(1),), repeats)
+        print(f"windows B={b} x {new_tokens}: " + ", ".join(
+            f"{k} {v:.2f} s ({b * new_tokens / v:.1f} tok/s)" for k, v in t.items()) + f"; tokens equal {same}",
+            flush=True)
+        out.append(dict(batch=b, new_tokens=new_tokens, tokens_equal=same, **{f"{k}_s": v for k, v in t.items()}))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ["chain", "generate", "dtype"]
-    ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
+    parts = ["chain", "generate", "dtype", "head", "windows"]
+    ap.add_argument("--parts", nargs="+", choices=parts, default=parts[:3])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -191,6 +258,10 @@ def main():
             results["generate"] = generate_ab(args.batch, args.new_tokens, max(3, args.repeats // 2))
         if "dtype" in args.parts:
             results["dtype"] = dtypes(args.batch[0], args.new_tokens, max(2, args.repeats // 2))
+        if "head" in args.parts:
+            results["head"] = head(args.rows, args.repeats)
+        if "windows" in args.parts:
+            results["windows"] = windows(args.batch, args.new_tokens, max(2, args.repeats // 2))
     results.update(watch.result())
     print(f"others' cores {results['others_cores']}")
     print("wrote", _common.write_json(args.out, "decode_dots.json", results))
