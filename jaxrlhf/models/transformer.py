@@ -535,8 +535,8 @@ def vocab_major_logits(config: ModelConfig, head_VxD: jax.Array, hidden_NxD: jax
     `lm_head_rows`: computed as the `[V, N]` product `head @ hidden.T`, then transposed. The
     optimisation barrier keeps XLA from folding the transpose back into the dot, whose
     `[N, V]` form reads the head across its rows: on XLA:CPU the vocab-major product of a
-    SmolLM2-sized head ([49152, 576]) took 10.5 against 22.0 ms at N = 8 and 15.4 against
-    30.4 ms at N = 16 (docs/benchmarks.md, "The LM head of a decode step"); the [N, V]
+    SmolLM2-sized head ([49152, 576]) took 9.4 against 18.9 ms at N = 8 and 15.0 against
+    27.3 ms at N = 16 (docs/benchmarks.md, "The LM head of a decode step"); the [N, V]
     transpose after it is a few MB. Same numbers as `project_logits` up to the dots'
     summation order."""
     hidden = hidden_NxD.astype(head_VxD.dtype)

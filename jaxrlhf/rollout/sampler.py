@@ -491,7 +491,7 @@ def generate(
     measured ~10 % faster there, slower for small models); the tokens are the same.
     A decode of T ≥ 128 tokens runs in up to four segments whose attention reads only the
     cache slots they can reach (`decode_windows`), and on a CPU each step's LM head is one
-    vocab-major dot (`models.vocab_major_logits`): together 61.9 → 70.4 new tokens/s at
+    vocab-major dot (`models.vocab_major_logits`): together 74.4 → 85.7 new tokens/s at
     the SmolLM2-135M shape, B = 8 × 256 (docs/benchmarks.md), the same tokens.
 
     Returns: `SampleOutput` with leading axis `B·num_samples`.
