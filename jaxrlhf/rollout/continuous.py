@@ -113,7 +113,8 @@ def sample_continuous(
     v = model.config.vocab_size
     head_VxD = lm_head_rows(model.config, params) if vocab_major_decode_head() else None  # as `sample`
 
-    prefill_cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, decode_windows(t_max)[0])  # as `sample`
+    # Prefilled as `sample` does (a cache of its first window), so token 0's logits are its own.
+    prefill_cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, decode_windows(t_max)[0])
     prompt_cache = _per_layer(lambda kv: _prompt_part(kv, p), prefill_cache)
     prompt_len_B = prompt_mask.sum(axis=1).astype(jnp.int32)
 

@@ -2,8 +2,9 @@
 
 The prompt is prefilled in one forward pass; `lax.while_loop`s then decode one token per
 step into a cache that grows to `P + T` slots (`decode_windows`), and stop as soon as every
-sequence has emitted EOS. With `num_samples = G` (GRPO) each prompt is prefilled once and its cache is repeated for its G
-samples, which stay adjacent in the output (sample `g` of prompt `b` is row `b·G + g`).
+sequence has emitted EOS. With `num_samples = G` (GRPO) each prompt is prefilled once and
+its cache is repeated for its G samples, which stay adjacent in the output (sample `g` of
+prompt `b` is row `b·G + g`).
 
 Log-probabilities returned with the tokens are those of `softmax(logits / τ)` over the
 *whole* vocabulary, before any top-k / top-p truncation: exactly what
@@ -220,8 +221,9 @@ def decode_windows(max_new_tokens: int) -> tuple[int, ...]:
     A decode step's attention reads every slot of its cache, used or not, so one cache of
     `P + T` slots makes every step pay for the longest response. Up to four segments of at
     least 64 steps (one for T < 128) cut the response slots read by 3/8 at T = 256 (each
-    segment's body is compiled once). The masked slots a smaller cache leaves out add exactly zero:
-    the tokens and log-probs are those of one cache, up to the dots' summation order.
+    segment's body is compiled once). The masked slots a smaller cache leaves out add
+    exactly zero: the tokens and log-probs are those of one cache, up to the dots'
+    summation order.
     """
     t = int(max_new_tokens)
     k = max(1, min(_MAX_WINDOWS, t // _WINDOW_STEPS))
@@ -272,7 +274,8 @@ def sample(
     prompt_mask = prompt_mask.astype(bool)
     apply = functools.partial(model.apply, {"params": params})
 
-    cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, decode_windows(t_max)[0])
+    ends = decode_windows(t_max)
+    cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, ends[0])
     repeat = lambda x: jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
     cache = jax.tree.map(repeat, cache)
     last_logits, prompt_ids, prompt_mask = repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask)
@@ -280,7 +283,6 @@ def sample(
 
     config = model.config
     v = config.vocab_size
-    ends = decode_windows(t_max)
     head_VxD = lm_head_rows(config, params) if vocab_major_decode_head() else None
     chunk = _noise_chunk(n, v, t_max) if temperature > 0 else 0
     keys_N = _row_keys(rng, n, first_row) if chunk else None
