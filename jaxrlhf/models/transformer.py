@@ -525,9 +525,7 @@ def lm_head_rows(config: ModelConfig, params) -> jax.Array:
     """The LM head as `[V, D]` rows in the compute dtype (`lm_head_weight(...).T`): the tied
     embedding itself, else a transposed copy of the `lm_head` kernel (adapter folded in).
     A sampler takes it once before its decode loop for `vocab_major_logits`."""
-    if config.tie_word_embeddings:
-        return params["embed_tokens"]["embedding"].astype(jnp.dtype(config.dtype))
-    return lm_head_weight(config, params).T
+    return lm_head_weight(config, params).T  # tied: `embedding.T.T`, which XLA folds to the embedding
 
 
 def vocab_major_logits(config: ModelConfig, head_VxD: jax.Array, hidden_NxD: jax.Array) -> jax.Array:

@@ -34,10 +34,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models import decode_compiler_options, vocab_major_decode_head
-from jaxrlhf.models.transformer import KVCache, Transformer, init_cache, lm_head_rows, vocab_major_logits
-from jaxrlhf.rollout.sampler import (SampleOutput, _check, _pick, _row_keys, _step_noise, decode_windows, is_stop,
-                                     platform_of, prefill, stop_ids, weight_bytes_of)
+from jaxrlhf.models import decode_compiler_options
+from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
+from jaxrlhf.rollout.sampler import (SampleOutput, _check, _decode_head, _pick, _row_keys, _step_logits, _step_noise,
+                                     decode_windows, is_stop, platform_of, prefill, stop_ids, weight_bytes_of)
 
 
 def check_slots(slots) -> int:
@@ -111,7 +111,7 @@ def sample_continuous(
     prompt_mask = prompt_mask.astype(bool)
     apply = functools.partial(model.apply, {"params": params})
     v = model.config.vocab_size
-    head_VxD = lm_head_rows(model.config, params) if vocab_major_decode_head() else None  # as `sample`
+    head_VxD = _decode_head(model, params)  # as `sample`
 
     # Prefilled as `sample` does (a cache of its first window), so token 0's logits are its own.
     prefill_cache, last_logits = prefill(model, params, prompt_ids, prompt_mask, decode_windows(t_max)[0])
@@ -166,8 +166,7 @@ def sample_continuous(
         key_valid = jnp.concatenate([prompt_mask[b_S], response_T[None, :] < t_S[:, None]], axis=1)
         out = apply(state["token"][:, None], key_valid, position_ids=(prompt_len_B[b_S] + t_S - 1)[:, None],
                     cache=state["cache"], cache_index=p + t_S - 1, compute_logits=head_VxD is None)
-        logits = out.logits[:, 0] if head_VxD is None else vocab_major_logits(model.config, head_VxD, out.hidden[:, 0])
-        token, logp = _pick(logits, noise(jnp.minimum(row_S, n - 1), t_S), temperature, top_k, top_p,
+        token, logp = _pick(_step_logits(model, head_VxD, out), noise(jnp.minimum(row_S, n - 1), t_S), temperature, top_k, top_p,
                             banned, ban_eos and (t_S < min_new_tokens)[:, None])
         at = lambda x, val: x.at[row_S, t_S].set(val, mode="drop")  # idle slots (row n) write nothing
         done = is_stop(token, eos_id) | (t_S + 1 == t_max)

@@ -230,6 +230,18 @@ def decode_windows(max_new_tokens: int) -> tuple[int, ...]:
     return tuple(-(-t * j // k) for j in range(1, k + 1))
 
 
+def _decode_head(model: Transformer, params):
+    """The LM head as `[V, D]` rows (`models.lm_head_rows`) where this backend decodes
+    vocab-major (`models.vocab_major_decode_head`), else None: taken once before a loop."""
+    return lm_head_rows(model.config, params) if vocab_major_decode_head() else None
+
+
+def _step_logits(model: Transformer, head_VxD, out) -> jax.Array:
+    """A decode step's `[N, V]` logits from `out = apply(..., compute_logits=head_VxD is None)`
+    of one query per row: the model's own, or `models.vocab_major_logits` of `_decode_head`."""
+    return out.logits[:, 0] if head_VxD is None else vocab_major_logits(model.config, head_VxD, out.hidden[:, 0])
+
+
 def prefill(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, max_new_tokens: int):
     """The prompts `[B, P]` (left-padded, mask bool) in one forward pass: `(cache, logits)`,
     a cache of `P + max_new_tokens` slots with the prompts' keys and values in the first P,
@@ -281,9 +293,8 @@ def sample(
     last_logits, prompt_ids, prompt_mask = repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask)
     prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)
 
-    config = model.config
-    v = config.vocab_size
-    head_VxD = lm_head_rows(config, params) if vocab_major_decode_head() else None
+    v = model.config.vocab_size
+    head_VxD = _decode_head(model, params)
     chunk = _noise_chunk(n, v, t_max) if temperature > 0 else 0
     keys_N = _row_keys(rng, n, first_row) if chunk else None
 
@@ -338,9 +349,8 @@ def sample(
             mask = prompt_slots | (response_slots & (jnp.arange(w)[None, :] <= p + t))
             out = apply(token, mask, position_ids=(prompt_len + t)[:, None], cache=state["cache"], cache_index=p + t,
                         compute_logits=head_VxD is None)
-            logits = out.logits[:, 0] if head_VxD is None else vocab_major_logits(config, head_VxD, out.hidden[:, 0])
             state = dict(state, cache=out.cache, t=t + 1)
-            return emit(state, logits, t + 1)
+            return emit(state, _step_logits(model, head_VxD, out), t + 1)
 
         return jax.lax.while_loop(cond, body, state)
 
