@@ -3,6 +3,7 @@
     python benchmarks/bench_decode_dots.py                  # chain, generate, dtype
     python benchmarks/bench_decode_dots.py --parts chain    # one part
     python benchmarks/bench_decode_dots.py --parts head windows --rows 8 16 64 --batch 8 16 --new-tokens 256
+    python benchmarks/bench_decode_dots.py --parts draw --rows 8 16 64
 
 XLA:CPU sends every dot to YNNPACK by default; `models.decode_compiler_options` compiles a
 decode of few rows through large weights with XLA's own (Eigen) dots instead. Each part
@@ -26,6 +27,10 @@ times both forms of the same jitted program alternately in one process (medians)
 - `windows`: `generate` on the SmolLM2 shape (`--batch`, `--new-tokens`) as before the
   decode windows and the vocab-major head (one cache of P + T slots, the model's head),
   with the head only, and with both (the default); the tokens must be equal.
+- `draw`: one sampled token per row from [M, 49152] logits, as the sampler drew it until
+  2026-12-04 (Threefry Gumbel noise for the row's step, `argmax(logits + g)`) against its
+  inverse-CDF draw now (one uniform per row, `rollout.sampler._inverse_cdf`); both from
+  each row's key as the sampler derives it.
 
 Writes benchmarks/results/decode_dots.json (or --out).
 """
@@ -236,9 +241,37 @@ def windows(batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
     return out
 
 
+def draw(rows: list[int], repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.rollout import sampler
+
+    v = 49152
+    out = []
+    for m in rows:
+        logits = jax.random.normal(jax.random.key(0), (m, v)) * 3
+        keys = sampler._row_keys(jax.random.key(1), m)
+        t = jnp.int32(5)
+
+        def gumbel(logits, keys, t):
+            g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, t), (v,), jnp.float32))(keys)
+            return sampler._argmax(logits + g)
+
+        def inverse_cdf(logits, keys, t):
+            return sampler._inverse_cdf(logits, sampler._step_uniforms(keys, t))
+
+        t_ = _alternate({"gumbel": jax.jit(gumbel), "inverse_cdf": jax.jit(inverse_cdf)}, (logits, keys, t), repeats)
+        row = dict(rows=m, vocab=v, gumbel_s=t_["gumbel"], inverse_cdf_s=t_["inverse_cdf"])
+        print(f"draw M={m} V={v}: Gumbel noise + argmax {row['gumbel_s'] * 1e3:.2f} ms, inverse CDF "
+              f"{row['inverse_cdf_s'] * 1e3:.2f} ms", flush=True)
+        out.append(row)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ["chain", "generate", "dtype", "head", "windows"]
+    parts = ["chain", "generate", "dtype", "head", "windows", "draw"]
     ap.add_argument("--parts", nargs="+", choices=parts, default=parts[:3])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16])
@@ -262,6 +295,8 @@ def main():
             results["head"] = head(args.rows, args.repeats)
         if "windows" in args.parts:
             results["windows"] = windows(args.batch, args.new_tokens, max(2, args.repeats // 2))
+        if "draw" in args.parts:
+            results["draw"] = draw(args.rows, max(args.repeats, 9))
     results.update(watch.result())
     print(f"others' cores {results['others_cores']}")
     print("wrote", _common.write_json(args.out, "decode_dots.json", results))

@@ -18,7 +18,7 @@ How, so that it samples exactly what `sampler.sample` samples:
   (`prompt_len + t_s − 1`) and key mask (its prompt's, then response slots up to its own).
   Cache slots past a row's step still hold the previous row's keys; the mask never lets
   them in. With sliding-window layers the window is on the same slot indices.
-- Row r's step t draws the Gumbel noise of `fold_in(fold_in(rng, r), t)` (the static
+- Row r's step t draws the uniform of `fold_in(fold_in(rng, r), t)` (the static
   sampler's rule), so greedy and sampled tokens, log-probs and every `SampleOutput` field
   are the static sampler's (up to the float rounding of a batch of S rows instead of N).
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.models import decode_compiler_options
 from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
-from jaxrlhf.rollout.sampler import (SampleOutput, _check, _decode_head, _pick, _row_keys, _step_logits, _step_noise,
+from jaxrlhf.rollout.sampler import (SampleOutput, _check, _decode_head, _pick, _row_keys, _step_logits, _step_uniforms,
                                      decode_windows, is_stop, platform_of, prefill, stop_ids, weight_bytes_of)
 
 
@@ -99,7 +99,7 @@ def sample_continuous(
     `b·G + g`, the same padding and log-probs), plus `slots`: S, the rows decoded at once
     (the cache holds S rows of P + T slots); a queue shorter than S uses N slots. The
     queue is the N rows in order; a slot whose row ends takes the next one. `first_row`:
-    as in `sample`, this batch's first row in a larger one split by rows (noise offset).
+    as in `sample`, this batch's first row in a larger one split by rows (key offset).
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
            min_new_tokens, eos_id)
@@ -110,7 +110,6 @@ def sample_continuous(
     num_slots = min(check_slots(slots), n)
     prompt_mask = prompt_mask.astype(bool)
     apply = functools.partial(model.apply, {"params": params})
-    v = model.config.vocab_size
     head_VxD = _decode_head(model, params)  # as `sample`
 
     # Prefilled as `sample` does (a cache of its first window), so token 0's logits are its own.
@@ -122,8 +121,8 @@ def sample_continuous(
     ban_eos = min_new_tokens > 0 and eos_id is not None
     banned = eos_id if ban_eos else None
 
-    def noise(rows, t):  # [rows, V] Gumbel noise of step t (per row), None when greedy
-        return None if keys_N is None else jax.vmap(functools.partial(_step_noise, v=v))(keys_N[rows], t)
+    def noise(rows, t):  # [rows] uniforms of step t (per row), None when greedy
+        return None if keys_N is None else _step_uniforms(keys_N[rows], t)
 
     # Token 0 of every row, from its prompt's logits.
     rows_N = jnp.arange(n)

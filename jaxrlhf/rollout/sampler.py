@@ -13,7 +13,7 @@ first PPO ratio is 1 up to float rounding. (Truncation changes which tokens can 
 not the density the trainer's ratios and KL are measured against.) With `temperature=0`
 decoding is greedy and the log-probs are those of `softmax(logits)`.
 
-Row r samples step t with the Gumbel noise of `fold_in(fold_in(rng, r), t)`, so a row's
+Row r samples step t with the uniform of `fold_in(fold_in(rng, r), t)`, so a row's
 tokens depend on its prompt, its index and the key, never on the other rows: a batch split
 by rows (over a mesh, or into `generate`'s CPU row blocks) samples what it samples whole.
 """
@@ -160,11 +160,11 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)  # a row with a NaN matches nothing: keep the id valid
 
 
-def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p, banned=None, ban=False):
+def _pick(logits_BxV, uniform_B, temperature, top_k, top_p, banned=None, ban=False):
     """(token [B], log-prob of it under softmax(logits/τ) [B]).
 
-    Sampling is the Gumbel-max trick, `argmax(logits + g)`, exactly what
-    `jax.random.categorical(key, logits)` computes when `g = jax.random.gumbel(key, ...)`.
+    Sampling draws from softmax(truncated logits / τ) by its inverse CDF with one uniform
+    `u ∈ [0, 1)` per row (`_inverse_cdf`); greedy (`temperature=0`) takes the first argmax.
     Where `ban` (a bool, may be traced) holds, the tokens `stop_ids(banned)` cannot be drawn;
     like top-k/top-p truncation this changes which tokens are drawn, not the log-probs.
     """
@@ -178,36 +178,65 @@ def _pick(logits_BxV, gumbel_BxV, temperature, top_k, top_p, banned=None, ban=Fa
     if temperature == 0:
         token = _argmax(logits_BxV)
     else:
-        token = _argmax(truncate_logits(logits_BxV, top_k=top_k, top_p=top_p) + gumbel_BxV)
+        token = _inverse_cdf(truncate_logits(logits_BxV, top_k=top_k, top_p=top_p), uniform_B)
     return token.astype(jnp.int32), jnp.take_along_axis(logp_BxV, token[:, None], axis=-1)[:, 0]
 
 
-# Gumbel noise for several decode steps is drawn in one call: on XLA:CPU the Threefry hash
-# runs as a loop, and one call per step cost more than the hashing itself. Row r's noise at
-# step t is always `gumbel(fold_in(fold_in(rng, r), t), [V])`: it depends on neither the
-# chunk size nor the other rows, so a batch split into row blocks samples the same tokens.
-_NOISE_CHUNK_BYTES = 16 * 2**20
+_CDF_BLOCK = 256
 
 
-def _noise_chunk(n: int, v: int, t_max: int) -> int:
-    return max(1, min(t_max, _NOISE_CHUNK_BYTES // (4 * n * v)))
+def _inverse_cdf(logits_BxV: jax.Array, u_B: jax.Array) -> jax.Array:
+    """`[B]` tokens drawn from softmax(logits) by the inverse CDF of one uniform per row:
+
+        p = exp(logits − max logits),   C[k] = p[0] + … + p[k],   token = the k with C[k−1] ≤ u·C[V−1] < C[k]
+
+    so P(token = k) = p[k] / Σ p (to float32 rounding), and a token with p = 0 (its logit
+    truncated or banned to finfo.min) is never drawn. The running sums are taken in two
+    levels: over blocks of 256 tokens, then inside the one block the target falls in (a
+    cumulative sum over all V costs ~5x more on XLA:CPU). Against rounding (a prefix sum
+    need not grow by exactly p), each level picks the first entry with positive mass whose
+    running sum exceeds the target, else the last entry with positive mass.
+
+    One uniform per row replaces the V Gumbel variates per row of `argmax(logits + g)`:
+    at V = 49,152 the Threefry hash for those was ~8 % of a real-shaped decode step.
+    """
+    b, v = logits_BxV.shape
+    blk = min(_CDF_BLOCK, v)
+    nb = -(-v // blk)
+    x_BxV = logits_BxV.astype(jnp.float32)
+    p_BxV = jnp.exp(x_BxV - jnp.max(x_BxV, axis=-1, keepdims=True))
+    p_BxNxK = jnp.pad(p_BxV, ((0, 0), (0, nb * blk - v))).reshape(b, nb, blk)
+
+    def first_above(running_BxM, mass_BxM, target_B):
+        m = mass_BxM.shape[-1]
+        idx_M = jnp.arange(m, dtype=jnp.int32)
+        first = jnp.min(jnp.where((running_BxM > target_B[:, None]) & (mass_BxM > 0), idx_M, m), axis=-1)
+        last = jnp.max(jnp.where(mass_BxM > 0, idx_M, 0), axis=-1)
+        return jnp.where(first < m, first, last)
+
+    sums_BxN = p_BxNxK.sum(axis=-1)
+    ends_BxN = jnp.cumsum(sums_BxN, axis=-1)
+    target_B = u_B.astype(jnp.float32) * ends_BxN[:, -1]
+    j_B = first_above(ends_BxN, sums_BxN, target_B)
+    start_B = jnp.where(j_B > 0, jnp.take_along_axis(ends_BxN, jnp.maximum(j_B - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    block_BxK = jnp.take_along_axis(p_BxNxK, j_B[:, None, None], axis=1)[:, 0]
+    k_B = first_above(start_B[:, None] + jnp.cumsum(block_BxK, axis=-1), block_BxK, target_B)
+    return jnp.minimum(j_B * blk + k_B, v - 1)
 
 
+# Row r's uniform at step t is `uniform(fold_in(fold_in(rng, r), t))`: it depends on no other
+# row, so a batch split into row blocks (or decoded by `sample_continuous`, whose rows run
+# at their own steps) samples the same tokens.
 def _row_keys(rng: jax.Array, n: int, first_row=0) -> jax.Array:
     """`[N]` keys of rows `first_row .. first_row + N - 1`: `fold_in(rng, row)`."""
     return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n))
 
 
-def _step_noise(row_key: jax.Array, t, v: int) -> jax.Array:
-    """`[V]` float32 Gumbel noise of decode step `t` for the row whose key is `row_key`."""
-    return jax.random.gumbel(jax.random.fold_in(row_key, t), (v,), jnp.float32)
-
-
-def _gumbel_steps(keys_N, first_step, steps: int, v: int) -> jax.Array:
-    """`[steps, N, V]` float32 noise for decode steps `first_step ..` of the rows `keys_N`."""
-    row = lambda key, t: _step_noise(key, t, v)
-    per_step = lambda t: jax.vmap(row, (0, None))(keys_N, t)
-    return jax.vmap(per_step)(first_step + jnp.arange(steps))
+def _step_uniforms(keys_N: jax.Array, t_N) -> jax.Array:
+    """`[N]` float32 uniforms in [0, 1) of decode step `t_N` (one step, or each row's own)
+    for the rows whose keys are `keys_N`."""
+    one = lambda key, t: jax.random.uniform(jax.random.fold_in(key, t), (), jnp.float32)
+    return jax.vmap(one, (0, 0 if jnp.ndim(t_N) else None))(keys_N, t_N)
 
 
 _WINDOW_STEPS = 64  # the shortest decode segment (`decode_windows`)
@@ -275,7 +304,7 @@ def sample(
     """Sample responses; traceable (call it inside your own jit) — see `generate`.
 
     `first_row`: the index of this batch's first output row in a larger batch that was
-    split by rows (may be traced). Row r draws its noise from `fold_in(rng, r)`, so blocks
+    split by rows (may be traced). Row r draws its uniforms from `fold_in(rng, r)`, so blocks
     given their offsets sample exactly what the whole batch samples.
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
@@ -293,28 +322,15 @@ def sample(
     last_logits, prompt_ids, prompt_mask = repeat(last_logits), repeat(prompt_ids), repeat(prompt_mask)
     prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)
 
-    v = model.config.vocab_size
     head_VxD = _decode_head(model, params)
-    chunk = _noise_chunk(n, v, t_max) if temperature > 0 else 0
-    keys_N = _row_keys(rng, n, first_row) if chunk else None
-
-    def noise_for(state, t):  # [N, V] Gumbel noise of step t (None when greedy)
-        if not chunk:
-            return None, state
-        if isinstance(t, int):  # step 0, before the loop: the first chunk
-            state = dict(state, noise=_gumbel_steps(keys_N, t, chunk, v))
-        elif chunk < t_max:  # inside the loop: refill at the start of each chunk
-            noise = jax.lax.cond(t % chunk == 0, lambda: _gumbel_steps(keys_N, t, chunk, v),
-                                 lambda: state["noise"])
-            state = dict(state, noise=noise)
-        return jax.lax.dynamic_index_in_dim(state["noise"], t % chunk, keepdims=False), state
+    keys_N = _row_keys(rng, n, first_row) if temperature > 0 else None
 
     def emit(state, logits, t):
-        gumbel, state = noise_for(state, t)
+        uniform_N = None if keys_N is None else _step_uniforms(keys_N, t)
         tokens, logps, done = state["tokens"], state["logps"], state["done"]
         # Response token t is the (t+1)-th: EOS cannot be drawn before min_new_tokens of them.
         ban_eos = min_new_tokens > 0 and eos_id is not None
-        token, logp = _pick(logits, gumbel, temperature, top_k, top_p, eos_id if ban_eos else None,
+        token, logp = _pick(logits, uniform_N, temperature, top_k, top_p, eos_id if ban_eos else None,
                             ban_eos and (t < min_new_tokens))
         token = jnp.where(done, pad_id, token)
         logp = jnp.where(done, 0.0, logp)

@@ -345,7 +345,7 @@ def sampler_equals_unsharded():
         assert out.response_ids.sharding.spec == parallel.batch_spec(2, mesh, rows=8)
         # Sharded params run as one program: no host-thread row blocks.
         assert cpu_row_blocks(8, jax.device_put(params, p_sh), ids, cpu_threads=4) == 1
-        # Sampling too: each row's Gumbel noise does not depend on how the rows are split.
+        # Sampling too: each row's uniforms do not depend on how the rows are split.
         hot = dict(kw, temperature=1.0)
         want = generate(model, params, ids, mask, jax.random.key(3), **hot)
         got = parallel.generate_sharded(model, jax.device_put(params, p_sh), ids, mask, jax.random.key(3),
