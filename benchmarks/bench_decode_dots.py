@@ -28,9 +28,10 @@ times both forms of the same jitted program alternately in one process (medians)
   decode windows and the vocab-major head (one cache of P + T slots, the model's head),
   with the head only, and with both (the default); the tokens must be equal.
 - `draw`: one sampled token per row from [M, 49152] logits, as the sampler drew it until
-  2026-12-04 (Threefry Gumbel noise for the row's step, `argmax(logits + g)`) against its
-  inverse-CDF draw now (one uniform per row, `rollout.sampler._inverse_cdf`); both from
-  each row's key as the sampler derives it.
+  2026-12-04 (Threefry Gumbel noise over the whole vocabulary, `argmax(logits + g)`), by
+  the inverse CDF of one uniform per row (its draw for part of that day; `_inverse_cdf`
+  here), and by its two-level Gumbel-max now (`rollout.sampler._draw`: 448 variates a
+  row); all from each row's key as the sampler derives it.
 
 Writes benchmarks/results/decode_dots.json (or --out).
 """
@@ -241,6 +242,27 @@ def windows(batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
     return out
 
 
+def _inverse_cdf(logits_BxV, u_B, blk=256):
+    """The sampler's draw of 2026-12-04 (one uniform per row; replaced by `_draw` the same
+    day), kept here as the comparison arm: the first block, then token, whose running sum
+    of exp(x − max x) exceeds u·Σ."""
+    import jax.numpy as jnp
+
+    b, v = logits_BxV.shape
+    nb = -(-v // blk)
+    p = jnp.exp(logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True))
+    p_BxNxK = jnp.pad(p, ((0, 0), (0, nb * blk - v))).reshape(b, nb, blk)
+    sums_BxN = p_BxNxK.sum(axis=-1)
+    ends_BxN = jnp.cumsum(sums_BxN, axis=-1)
+    target_B = u_B * ends_BxN[:, -1]
+    j_B = jnp.minimum(jnp.sum(ends_BxN <= target_B[:, None], axis=-1), nb - 1)
+    start_B = jnp.where(j_B > 0, jnp.take_along_axis(ends_BxN, jnp.maximum(j_B - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    block_BxK = jnp.take_along_axis(p_BxNxK, j_B[:, None, None], axis=1)[:, 0]
+    k_B = jnp.minimum(jnp.sum(start_B[:, None] + jnp.cumsum(block_BxK, axis=-1) <= target_B[:, None], axis=-1),
+                      blk - 1)
+    return jnp.minimum(j_B * blk + k_B, v - 1)
+
+
 def draw(rows: list[int], repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -259,12 +281,18 @@ def draw(rows: list[int], repeats: int) -> list[dict]:
             return sampler._argmax(logits + g)
 
         def inverse_cdf(logits, keys, t):
-            return sampler._inverse_cdf(logits, sampler._step_uniforms(keys, t))
+            u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, t), ()))(keys)
+            return _inverse_cdf(logits, u)
 
-        t_ = _alternate({"gumbel": jax.jit(gumbel), "inverse_cdf": jax.jit(inverse_cdf)}, (logits, keys, t), repeats)
-        row = dict(rows=m, vocab=v, gumbel_s=t_["gumbel"], inverse_cdf_s=t_["inverse_cdf"])
-        print(f"draw M={m} V={v}: Gumbel noise + argmax {row['gumbel_s'] * 1e3:.2f} ms, inverse CDF "
-              f"{row['inverse_cdf_s'] * 1e3:.2f} ms", flush=True)
+        def two_level(logits, keys, t):
+            return sampler._draw(logits, sampler._step_noise(keys, t, v))
+
+        arms = {"gumbel": jax.jit(gumbel), "inverse_cdf": jax.jit(inverse_cdf), "two_level": jax.jit(two_level)}
+        t_ = _alternate(arms, (logits, keys, t), repeats)
+        row = dict(rows=m, vocab=v, **{f"{k}_s": x for k, x in t_.items()})
+        print(f"draw M={m} V={v}: Gumbel noise over V + argmax {row['gumbel_s'] * 1e3:.2f} ms, inverse CDF "
+              f"{row['inverse_cdf_s'] * 1e3:.2f} ms, two-level Gumbel-max {row['two_level_s'] * 1e3:.2f} ms",
+              flush=True)
         out.append(row)
     return out
 

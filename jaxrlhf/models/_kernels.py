@@ -42,13 +42,14 @@ _SPLASH_BLOCK = 128  # the splash kernel's default block; L is padded to a multi
 
 # XLA:CPU hands each dot to YNNPACK by default (`xla_cpu_experimental_ynn_fusion_type`
 # holds INDIVIDUAL_DOT and REDUCE). Keeping only REDUCE sends the dots back to XLA's own
-# (Eigen) emitter. Measured on 2 cores of an AMD EPYC, jax 0.10.2 (docs/benchmarks.md,
-# "Decode-step dots on XLA:CPU"): with weights that stream from memory (SmolLM2-135M's 513
-# MiB), 30 layers of its seven projections on [M, 576] rows take 87 against 46 ms at M = 8
-# and 129 against 70 at M = 16, tie at 32 and lose 12-18 % from 64, and whole `generate`
-# calls gain ~10 %; with the workload's 12 MiB model (its weights fit in cache) YNNPACK's
-# dots are the faster ones (one program 0.44 against 0.49 s, two row blocks 0.46 against
-# 0.68 s).
+# (Eigen) emitter. Measured on 2 cores, jax 0.10.2 (docs/benchmarks.md, "Decode-step dots
+# on XLA:CPU"), with weights that stream from memory (SmolLM2-135M's 513 MiB): on an AMD
+# EPYC with AVX2 only (family 23), 30 layers of its seven projections on [M, 576] rows take
+# 87 against 46 ms at M = 8 and 129 against 70 at M = 16, tie at 32 and lose 12-18 % from
+# 64, and whole `generate` calls gain ~10 %; on one with AVX-512 (family 26) YNNPACK's are
+# the faster ones (16.6 against 15.3 ms at M = 8, but `generate` 1.60 against 1.97 s at B
+# = 8 × 64 tokens, 2.25 against 2.70 s at B = 16). With the workload's 12 MiB model (its
+# weights fit in cache) YNNPACK's dots win everywhere.
 _CPU_FEW_ROW_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_REDUCE"),)
 _CPU_FEW_ROWS = 32
 _CPU_STREAMED_WEIGHT_BYTES = 64 * 2**20
@@ -64,20 +65,42 @@ def _accepted(options: tuple) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The host CPU's feature flags (`flags` of /proc/cpuinfo); empty where it cannot be
+    read (not Linux, no such file)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_prefers_own_dots() -> bool:
+    """Whether XLA's own dots beat YNNPACK's for few rows on this host: an x86 CPU with
+    AVX2 and without AVX-512, the one kind measured faster with them; anything else (AVX-512,
+    other architectures, unknown) keeps the defaults."""
+    flags = _cpu_flags()
+    return "avx2" in flags and "avx512f" not in flags
+
+
 def decode_compiler_options(rows: int, weight_bytes: int, platform: str | None = None) -> tuple[tuple[str, str], ...]:
     """XLA compile options for a program whose decode step runs `rows` rows through
     `weight_bytes` of weights on `platform` (default: JAX's default backend), as hashable
     `(name, value)` pairs for `jax.jit(..., compiler_options=dict(...))`; `()` where the
     defaults are best.
 
-    On a CPU, with at most 32 rows a step and at least 64 MiB of weights, the dots go to
-    XLA's own emitter instead of YNNPACK (`_CPU_FEW_ROW_OPTIONS`): the same tokens,
-    log-probs within float rounding. Elsewhere, or where this jaxlib refuses the option,
-    nothing changes.
+    On a CPU with AVX2 and without AVX-512 (`_cpu_prefers_own_dots`), with at most 32 rows
+    a step and at least 64 MiB of weights, the dots go to XLA's own emitter instead of
+    YNNPACK (`_CPU_FEW_ROW_OPTIONS`): the same tokens, log-probs within float rounding.
+    Elsewhere, or where this jaxlib refuses the option, nothing changes.
     """
     platform = platform or jax.default_backend()
     if (platform != "cpu" or rows > _CPU_FEW_ROWS or weight_bytes < _CPU_STREAMED_WEIGHT_BYTES
-            or not _accepted(_CPU_FEW_ROW_OPTIONS)):
+            or not _cpu_prefers_own_dots() or not _accepted(_CPU_FEW_ROW_OPTIONS)):
         return ()
     return _CPU_FEW_ROW_OPTIONS
 

@@ -2,7 +2,7 @@
 
 `generate` compiles once per shape (on a CPU device it runs the prompts as concurrent row
 blocks, one per core); `sample` is the same function for use inside your own jitted step.
-Row r of a batch draws step t's uniform from `fold_in(fold_in(rng, r), t)`: its tokens
+Row r of a batch draws step t's noise from `fold_in(fold_in(rng, r), t)`: its tokens
 never depend on the other rows, so a batch split over a mesh or into `generate`'s CPU row
 blocks samples exactly what it samples whole. `pad_to_bucket` left-pads prompts to a few
 bucket lengths (a handful of programs for a dataset of varied lengths) and `CompileCounter`

@@ -18,7 +18,7 @@ How, so that it samples exactly what `sampler.sample` samples:
   (`prompt_len + t_s − 1`) and key mask (its prompt's, then response slots up to its own).
   Cache slots past a row's step still hold the previous row's keys; the mask never lets
   them in. With sliding-window layers the window is on the same slot indices.
-- Row r's step t draws the uniform of `fold_in(fold_in(rng, r), t)` (the static
+- Row r's step t draws the noise of `fold_in(fold_in(rng, r), t)` (the static
   sampler's rule), so greedy and sampled tokens, log-probs and every `SampleOutput` field
   are the static sampler's (up to the float rounding of a batch of S rows instead of N).
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.models import decode_compiler_options
 from jaxrlhf.models.transformer import KVCache, Transformer, init_cache
-from jaxrlhf.rollout.sampler import (SampleOutput, _check, _decode_head, _pick, _row_keys, _step_logits, _step_uniforms,
+from jaxrlhf.rollout.sampler import (SampleOutput, _check, _decode_head, _pick, _row_keys, _step_logits, _step_noise,
                                      decode_windows, is_stop, platform_of, prefill, stop_ids, weight_bytes_of)
 
 
@@ -121,8 +121,8 @@ def sample_continuous(
     ban_eos = min_new_tokens > 0 and eos_id is not None
     banned = eos_id if ban_eos else None
 
-    def noise(rows, t):  # [rows] uniforms of step t (per row), None when greedy
-        return None if keys_N is None else _step_uniforms(keys_N[rows], t)
+    def noise(rows, t):  # [rows, M] Gumbel noise of step t (per row), None when greedy
+        return None if keys_N is None else _step_noise(keys_N[rows], t, model.config.vocab_size)
 
     # Token 0 of every row, from its prompt's logits.
     rows_N = jnp.arange(n)

@@ -13,7 +13,7 @@ first PPO ratio is 1 up to float rounding. (Truncation changes which tokens can 
 not the density the trainer's ratios and KL are measured against.) With `temperature=0`
 decoding is greedy and the log-probs are those of `softmax(logits)`.
 
-Row r samples step t with the uniform of `fold_in(fold_in(rng, r), t)`, so a row's
+Row r samples step t with the noise of `fold_in(fold_in(rng, r), t)`, so a row's
 tokens depend on its prompt, its index and the key, never on the other rows: a batch split
 by rows (over a mesh, or into `generate`'s CPU row blocks) samples what it samples whole.
 """
@@ -160,13 +160,14 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)  # a row with a NaN matches nothing: keep the id valid
 
 
-def _pick(logits_BxV, uniform_B, temperature, top_k, top_p, banned=None, ban=False):
+def _pick(logits_BxV, noise_BxM, temperature, top_k, top_p, banned=None, ban=False):
     """(token [B], log-prob of it under softmax(logits/τ) [B]).
 
-    Sampling draws from softmax(truncated logits / τ) by its inverse CDF with one uniform
-    `u ∈ [0, 1)` per row (`_inverse_cdf`); greedy (`temperature=0`) takes the first argmax.
-    Where `ban` (a bool, may be traced) holds, the tokens `stop_ids(banned)` cannot be drawn;
-    like top-k/top-p truncation this changes which tokens are drawn, not the log-probs.
+    Sampling draws from softmax(truncated logits / τ) by a two-level Gumbel-max with the
+    row's `noise_BxM` (`_draw`, `_step_noise`); greedy (`temperature=0`) takes the first
+    argmax. Where `ban` (a bool, may be traced) holds, the tokens `stop_ids(banned)` cannot
+    be drawn; like top-k/top-p truncation this changes which tokens are drawn, not the
+    log-probs.
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
     if temperature > 0:
@@ -178,53 +179,50 @@ def _pick(logits_BxV, uniform_B, temperature, top_k, top_p, banned=None, ban=Fal
     if temperature == 0:
         token = _argmax(logits_BxV)
     else:
-        token = _inverse_cdf(truncate_logits(logits_BxV, top_k=top_k, top_p=top_p), uniform_B)
+        token = _draw(truncate_logits(logits_BxV, top_k=top_k, top_p=top_p), noise_BxM)
     return token.astype(jnp.int32), jnp.take_along_axis(logp_BxV, token[:, None], axis=-1)[:, 0]
 
 
-_CDF_BLOCK = 256
+_DRAW_BLOCK = 256
 
 
-def _inverse_cdf(logits_BxV: jax.Array, u_B: jax.Array) -> jax.Array:
-    """`[B]` tokens drawn from softmax(logits) by the inverse CDF of one uniform per row:
+def _draw_blocks(vocab_size: int) -> tuple[int, int]:
+    """`(blocks, block size)` of `_draw` over a vocabulary of `vocab_size`."""
+    blk = min(_DRAW_BLOCK, vocab_size)
+    return -(-vocab_size // blk), blk
 
-        p = exp(logits − max logits),   C[k] = p[0] + … + p[k],   token = the k with C[k−1] ≤ u·C[V−1] < C[k]
 
-    so P(token = k) = p[k] / Σ p (to float32 rounding), and a token with p = 0 (its logit
-    truncated or banned to finfo.min) is never drawn. The running sums are taken in two
-    levels: over blocks of 256 tokens, then inside the one block the target falls in (a
-    cumulative sum over all V costs ~5x more on XLA:CPU). Against rounding (a prefix sum
-    need not grow by exactly p), each level picks the first entry with positive mass whose
-    running sum exceeds the target, else the last entry with positive mass.
+def _draw(logits_BxV: jax.Array, noise_BxM: jax.Array) -> jax.Array:
+    """`[B]` tokens drawn from softmax(logits) by Gumbel-max in two levels, with `M = N + K`
+    standard Gumbel variates per row (`N` blocks of `K = 256` tokens, `_draw_blocks`):
 
-    One uniform per row replaces the V Gumbel variates per row of `argmax(logits + g)`:
-    at V = 49,152 the Threefry hash for those was ~8 % of a real-shaped decode step.
+        block j = argmax_j (log Σ_{k∈j} exp(x_k − max x) + g_j),   token = argmax_{k∈j} (x_k + g_{N+k−jK})
+
+    so P(block j) = m_j / Σ m and P(token k | j) = p_k / m_j: P(token = k) = p_k / Σ p
+    with p = exp(x − max x), and a token with p = 0 (its logit truncated or banned to
+    finfo.min) is never drawn.
+
+    Against one Gumbel variate per token (`argmax(x + g)` over all V), the hash of the
+    noise falls from V to N + K variates per row (49,152 → 448 at SmolLM2's V; that hash
+    was ~8 % of a real-shaped decode step). Against the inverse CDF of one uniform, which
+    is as cheap, the draw keeps Gumbel-max's stability under float rounding: a token
+    changes only where two perturbed scores tie to within rounding, where an inverse CDF
+    moves at every one of the V boundaries of its running sum — at V = 49,152 with
+    near-flat logits, two programs whose logits differ by dot rounding (static and
+    continuous batching) drew different tokens at ~0.2 % of their steps.
     """
     b, v = logits_BxV.shape
-    blk = min(_CDF_BLOCK, v)
-    nb = -(-v // blk)
-    x_BxV = logits_BxV.astype(jnp.float32)
-    p_BxV = jnp.exp(x_BxV - jnp.max(x_BxV, axis=-1, keepdims=True))
-    p_BxNxK = jnp.pad(p_BxV, ((0, 0), (0, nb * blk - v))).reshape(b, nb, blk)
-
-    def first_above(running_BxM, mass_BxM, target_B):
-        m = mass_BxM.shape[-1]
-        idx_M = jnp.arange(m, dtype=jnp.int32)
-        first = jnp.min(jnp.where((running_BxM > target_B[:, None]) & (mass_BxM > 0), idx_M, m), axis=-1)
-        last = jnp.max(jnp.where(mass_BxM > 0, idx_M, 0), axis=-1)
-        return jnp.where(first < m, first, last)
-
-    sums_BxN = p_BxNxK.sum(axis=-1)
-    ends_BxN = jnp.cumsum(sums_BxN, axis=-1)
-    target_B = u_B.astype(jnp.float32) * ends_BxN[:, -1]
-    j_B = first_above(ends_BxN, sums_BxN, target_B)
-    start_B = jnp.where(j_B > 0, jnp.take_along_axis(ends_BxN, jnp.maximum(j_B - 1, 0)[:, None], axis=1)[:, 0], 0.0)
-    block_BxK = jnp.take_along_axis(p_BxNxK, j_B[:, None, None], axis=1)[:, 0]
-    k_B = first_above(start_B[:, None] + jnp.cumsum(block_BxK, axis=-1), block_BxK, target_B)
+    nb, blk = _draw_blocks(v)
+    x_BxNxK = jnp.pad(logits_BxV.astype(jnp.float32), ((0, 0), (0, nb * blk - v)),
+                      constant_values=-jnp.inf).reshape(b, nb, blk)
+    mass_BxN = jnp.exp(x_BxNxK - jnp.max(x_BxNxK, axis=(1, 2), keepdims=True)).sum(axis=-1)
+    j_B = _argmax(jnp.log(mass_BxN) + noise_BxM[:, :nb])
+    block_BxK = jnp.take_along_axis(x_BxNxK, j_B[:, None, None], axis=1)[:, 0]
+    k_B = _argmax(block_BxK + noise_BxM[:, nb:nb + blk])
     return jnp.minimum(j_B * blk + k_B, v - 1)
 
 
-# Row r's uniform at step t is `uniform(fold_in(fold_in(rng, r), t))`: it depends on no other
+# Row r's noise at step t comes from `fold_in(fold_in(rng, r), t)`: it depends on no other
 # row, so a batch split into row blocks (or decoded by `sample_continuous`, whose rows run
 # at their own steps) samples the same tokens.
 def _row_keys(rng: jax.Array, n: int, first_row=0) -> jax.Array:
@@ -232,10 +230,11 @@ def _row_keys(rng: jax.Array, n: int, first_row=0) -> jax.Array:
     return jax.vmap(jax.random.fold_in, (None, 0))(rng, first_row + jnp.arange(n))
 
 
-def _step_uniforms(keys_N: jax.Array, t_N) -> jax.Array:
-    """`[N]` float32 uniforms in [0, 1) of decode step `t_N` (one step, or each row's own)
-    for the rows whose keys are `keys_N`."""
-    one = lambda key, t: jax.random.uniform(jax.random.fold_in(key, t), (), jnp.float32)
+def _step_noise(keys_N: jax.Array, t_N, vocab_size: int) -> jax.Array:
+    """`[N, M]` float32 standard Gumbel variates of decode step `t_N` (one step, or each
+    row's own) for the rows whose keys are `keys_N`: `_draw`'s noise over `vocab_size`."""
+    m = sum(_draw_blocks(vocab_size))
+    one = lambda key, t: jax.random.gumbel(jax.random.fold_in(key, t), (m,), jnp.float32)
     return jax.vmap(one, (0, 0 if jnp.ndim(t_N) else None))(keys_N, t_N)
 
 
@@ -304,7 +303,7 @@ def sample(
     """Sample responses; traceable (call it inside your own jit) — see `generate`.
 
     `first_row`: the index of this batch's first output row in a larger batch that was
-    split by rows (may be traced). Row r draws its uniforms from `fold_in(rng, r)`, so blocks
+    split by rows (may be traced). Row r draws its noise from `fold_in(rng, r)`, so blocks
     given their offsets sample exactly what the whole batch samples.
     """
     _check(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, num_samples, max_len,
@@ -326,11 +325,11 @@ def sample(
     keys_N = _row_keys(rng, n, first_row) if temperature > 0 else None
 
     def emit(state, logits, t):
-        uniform_N = None if keys_N is None else _step_uniforms(keys_N, t)
+        noise_N = None if keys_N is None else _step_noise(keys_N, t, logits.shape[-1])
         tokens, logps, done = state["tokens"], state["logps"], state["done"]
         # Response token t is the (t+1)-th: EOS cannot be drawn before min_new_tokens of them.
         ban_eos = min_new_tokens > 0 and eos_id is not None
-        token, logp = _pick(logits, uniform_N, temperature, top_k, top_p, eos_id if ban_eos else None,
+        token, logp = _pick(logits, noise_N, temperature, top_k, top_p, eos_id if ban_eos else None,
                             ban_eos and (t < min_new_tokens))
         token = jnp.where(done, pad_id, token)
         logp = jnp.where(done, 0.0, logp)
@@ -514,9 +513,10 @@ def generate(
         (`sample`'s `first_row`) and the call returns once all are done. Sharded, traced or
         accelerator inputs always run as one program.
 
-    On a CPU, a program that decodes at most 32 rows through at least 64 MiB of weights is
-    compiled with XLA's own dots instead of YNNPACK's (`models.decode_compiler_options`:
-    measured ~10 % faster there, slower for small models); the tokens are the same.
+    On an AVX2 CPU without AVX-512, a program that decodes at most 32 rows through at least
+    64 MiB of weights is compiled with XLA's own dots instead of YNNPACK's
+    (`models.decode_compiler_options`: measured ~10 % faster there; slower for small models
+    and on AVX-512); the tokens are the same.
     A decode of T ≥ 128 tokens runs in up to four segments whose attention reads only the
     cache slots they can reach (`decode_windows`), and on a CPU each step's LM head is one
     vocab-major dot (`models.vocab_major_logits`): together 74.4 → 85.7 new tokens/s at
