@@ -18,9 +18,10 @@ times both forms of the same jitted program alternately in one process (medians)
   `--new-tokens`) and on the workload's tiny model, compiled with `()` and with
   `_CPU_FEW_ROW_OPTIONS`, as one program and (tiny model) as two row blocks; the tokens
   must be equal.
-- `dtype`: the whole model's float32 against bfloat16 params with float32 compute and
-  against bfloat16 params and compute (`load_pretrained(dtype=, param_dtype=)`), one
-  `generate` each with the default options.
+- `dtype`: `generate` at each `--batch` with the whole model in float32, with bfloat16
+  params and float32 compute, with bf16 params whose layer projections take bf16 dots
+  accumulating in float32 (`matmul_dtype="bfloat16"`), and in bf16 throughout
+  (`load_pretrained(dtype=, param_dtype=, matmul_dtype=)`), alternated in one process.
 - `head`: a SmolLM2-sized tied LM head ([49152, 576]) on M rows, `hidden @ E.T` (what the
   model's head computes) against `models.vocab_major_logits` (`E @ hidden.T`, transposed
   after an optimisation barrier), with YNNPACK's and XLA's dots.
@@ -162,23 +163,30 @@ def generate_ab(batches: list[int], new_tokens: int, repeats: int) -> list[dict]
     return out
 
 
-def dtypes(batch: int, new_tokens: int, repeats: int) -> list[dict]:
+DTYPES = (("float32", {}), ("bf16 params, f32 compute", dict(param_dtype="bfloat16", dtype="float32")),
+          ("bf16 params, bf16 dots, f32 compute", dict(param_dtype="bfloat16", dtype="float32",
+                                                       matmul_dtype="bfloat16")),
+          ("bf16 params and compute", dict(param_dtype="bfloat16", dtype="bfloat16")))
+
+
+def dtypes(batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
     from jaxrlhf.rollout import generate
 
     prompts = np.asarray(_common.load_workload()["prompts"], np.int32)
-    ids = jnp.asarray(np.concatenate([prompts] * (batch // len(prompts) + 1))[:batch])
-    mask = jnp.ones_like(ids, bool)
+    models = {name: _load("smollm2", **kw) for name, kw in DTYPES}
     out = []
-    for name, kw in (("float32", {}), ("bf16 params, f32 compute", dict(param_dtype="bfloat16", dtype="float32")),
-                     ("bf16 params and compute", dict(param_dtype="bfloat16", dtype="bfloat16"))):
-        loaded = _load("smollm2", **kw)
-        run = lambda key, loaded=loaded: generate(*loaded, ids, mask, key, max_new_tokens=new_tokens)
-        t = _alternate({name: run}, (jax.random.key(1),), repeats)[name]
-        print(f"dtype {name}: B={batch} x {new_tokens} tokens {t:.2f} s", flush=True)
-        out.append(dict(dtype=name, batch=batch, new_tokens=new_tokens, median_s=t))
+    for batch in batches:
+        ids = jnp.asarray(np.concatenate([prompts] * (batch // len(prompts) + 1))[:batch])
+        mask = jnp.ones_like(ids, bool)
+        arms = {name: (lambda key, loaded=loaded: generate(*loaded, ids, mask, key, max_new_tokens=new_tokens))
+                for name, loaded in models.items()}
+        t = _alternate(arms, (jax.random.key(1),), repeats)
+        for name, _ in DTYPES:
+            print(f"dtype {name}: B={batch} x {new_tokens} tokens {t[name]:.2f} s", flush=True)
+            out.append(dict(dtype=name, batch=batch, new_tokens=new_tokens, median_s=t[name]))
     return out
 
 
@@ -318,7 +326,7 @@ def main():
         if "generate" in args.parts:
             results["generate"] = generate_ab(args.batch, args.new_tokens, max(3, args.repeats // 2))
         if "dtype" in args.parts:
-            results["dtype"] = dtypes(args.batch[0], args.new_tokens, max(2, args.repeats // 2))
+            results["dtype"] = dtypes(args.batch, args.new_tokens, max(2, args.repeats // 2))
         if "head" in args.parts:
             results["head"] = head(args.rows, args.repeats)
         if "windows" in args.parts:

@@ -77,6 +77,9 @@ def main():
     ap.add_argument("--slots", type=int, nargs="+", default=[32], help="--skewed: slot counts S")
     ap.add_argument("--no-one-program", action="store_true",
                     help="skip the `cpu_threads=1` row (saves time at large B)")
+    ap.add_argument("--bf16-dots", action="store_true",
+                    help="also our sampler with bf16 params whose layer projections take bf16 dots accumulating "
+                         "in float32 (`ModelConfig.matmul_dtype`); the peers stay float32")
     args = ap.parse_args()
     warmup, repeats = (1, 3) if args.quick else (3, 6)
     if args.shape != "workload" and (args.cpu_devices > 1 or args.skewed):
@@ -100,6 +103,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         model, params = load_pretrained(tmp)
+        bf16 = (load_pretrained(tmp, param_dtype="bfloat16", dtype="float32", matmul_dtype="bfloat16")
+                if args.bf16_dots else None)
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     results = {"workload": "measurement 1" if args.shape == "workload" else f"{args.shape}-shaped model",
@@ -149,12 +154,18 @@ def main():
                 hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
 
-        arms = [("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program), ("transformers", run_hf)]
+        def run_bf16_dots():
+            generate(*bf16, jbatch, jmask, next(keys), max_new_tokens=new_tokens).response_ids.block_until_ready()
+
+        arms = [("jaxrlhf", run_ours), ("jaxrlhf (one program)", run_one_program)]
+        arms += [("jaxrlhf (bf16 dots)", run_bf16_dots)] if bf16 is not None else []
+        arms += [("transformers", run_hf)]
         for name, fn in [a for a in arms if not (args.no_one_program and a[1] is run_one_program)]:
             with _common.CpuWatch() as watch:
                 t = _common.timed(fn, warmup=warmup, repeats=repeats)
             t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * new_tokens / t["median_s"],
-                     weight_floor_fraction=floor_fraction(t["median_s"]))
+                     weight_floor_fraction=floor_fraction(t["median_s"]) * (
+                         sum(x.nbytes for x in jax.tree.leaves(bf16[1])) / weight_bytes if run_bf16_dots is fn else 1))
             if name == "jaxrlhf":
                 # The blocks `generate` ran: its default rule reads the weights' size too.
                 t.update(first_call_s=compile_s,
@@ -182,7 +193,8 @@ def main():
               f"{r['tokens_per_s']:,.0f} | {floor} | {r.get('first_call_s', float('nan')):.2f} | {r['others_cores']} |")
     multi = f"jaxrlhf ({args.cpu_devices} CPU devices)"
     for b in args.batch:
-        for label, key in (("jaxrlhf", ""), ("jaxrlhf (one program)", "_one_program"), (multi, "_multi_device")):
+        for label, key in (("jaxrlhf", ""), ("jaxrlhf (one program)", "_one_program"), (multi, "_multi_device"),
+                           ("jaxrlhf (bf16 dots)", "_bf16_dots")):
             ours = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == label), None)
             for peer in ("transformers", "tunix"):
                 theirs = next((r for r in results["runs"] if r["batch"] == b and r["impl"] == peer), None)

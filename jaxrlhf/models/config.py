@@ -43,7 +43,7 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
 # How the model runs, not what it is: set by the user, never read from or written to a
 # checkpoint's config.json (`load_pretrained(path, **options)`, `config.model.<field>`).
-RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "scan_layers", "logprobs_head")
+RUNTIME_FIELDS = ("remat", "attention", "cache_dtype", "matmul_dtype", "scan_layers", "logprobs_head")
 # `ModelConfig.remat`: what each decoder layer keeps for the backward pass.
 #   "none": everything (no rematerialisation);
 #   "full": only its input (`jax.checkpoint`, nothing saveable): the layer is recomputed;
@@ -81,6 +81,11 @@ class ModelConfig:
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters,
     `cache_dtype` the sampler's KV cache dtype (default: `dtype`; bf16 with float32 params
     halves the cache); RMSNorm, softmax and rotary angles are always computed in float32.
+    `matmul_dtype` (default: `dtype`) is the input dtype of the decoder layers' projection
+    dots, which accumulate in float32 and return `dtype`: "bfloat16" with bf16 params and
+    float32 compute multiplies by the kernels as stored (no per-call conversion to float32;
+    on an AVX-512 CPU `generate` at the SmolLM2-135M shape, B = 64, 1.47x faster than
+    float32 — docs/benchmarks.md, "Decode-step dots on XLA:CPU").
     `attention` picks the attention implementation (`jaxrlhf.models.attention`).
     `remat` names a rematerialisation policy of each layer (`REMAT_POLICIES`; True/False
     read as "full"/"none"). `scan_layers` runs the layer stack as one `jax.lax.scan` over
@@ -130,6 +135,7 @@ class ModelConfig:
     scan_layers: bool = False
     attention: str = "auto"  # a name in `jaxrlhf.models.attention.IMPLEMENTATIONS`
     cache_dtype: str | None = None  # the KV cache's dtype; None: `dtype`
+    matmul_dtype: str | None = None  # the layers' projection dots' input dtype; None: `dtype`
     logprobs_head: str = "auto"  # a name in LOGPROBS_HEADS
     lora: LoraConfig | None = None  # adapters on the projections it targets (`jaxrlhf.models.lora`)
     quantize: str = "none"  # QLoRA: layer projection kernels stored "int8" / "nf4" (`jaxrlhf.models.quant`)
@@ -172,7 +178,8 @@ class ModelConfig:
             raise ValueError(f"attention={self.attention!r}; expected one of {list(IMPLEMENTATIONS)}")
         if self.logprobs_head not in LOGPROBS_HEADS:
             raise ValueError(f"logprobs_head={self.logprobs_head!r}; expected one of {list(LOGPROBS_HEADS)}")
-        for name in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
+        optional = tuple(name for name in ("cache_dtype", "matmul_dtype") if getattr(self, name) is not None)
+        for name in ("dtype", "param_dtype") + optional:
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
 

@@ -16,14 +16,16 @@ from jaxrlhf.models.lora import LoraConfig
 _init = nn.initializers.normal(stddev=0.02)
 
 
-def _rows_matmul(x_NxK: jax.Array, w_KxM: jax.Array) -> jax.Array:
-    """`[..., K] @ [K, M] -> [..., M]` as one 2-D matmul over the flattened leading axes.
+def _rows_matmul(x_NxK: jax.Array, w_KxM: jax.Array, accumulate=None) -> jax.Array:
+    """`[..., K] @ [K, M] -> [..., M]` as one 2-D matmul over the flattened leading axes
+    (`accumulate`: the dot's `preferred_element_type`, e.g. float32 for bf16 inputs).
 
     With [B, L] leading axes the weight gradient contracts two axes, which XLA:CPU sends to
     a slower transposing GEMM; flattened, it is one contraction (train step 0.24 -> 0.20 s).
     """
     lead = x_NxK.shape[:-1]
-    return (x_NxK.reshape(-1, x_NxK.shape[-1]) @ w_KxM).reshape(*lead, w_KxM.shape[-1])
+    y = jnp.matmul(x_NxK.reshape(-1, x_NxK.shape[-1]), w_KxM, preferred_element_type=accumulate)
+    return y.reshape(*lead, w_KxM.shape[-1])
 
 
 class Projection(nn.Module):
@@ -42,6 +44,7 @@ class Projection(nn.Module):
     n_out: int | None = None  # number of output axes; default: all but the first
     lora: LoraConfig | None = None  # this projection's adapter, when the model's LoRA targets it
     quantize: str = "none"  # QLoRA: the kernel may be stored quantised (`models.quant`)
+    matmul_dtype: jnp.dtype | None = None  # the dot's input dtype, float32 accumulation; None: `dtype`
 
     @nn.compact
     def __call__(self, x):
@@ -53,7 +56,11 @@ class Projection(nn.Module):
         lead = x.shape[:-n_in]
         k = int(np.prod(in_shape))
         x_NxK = x.astype(self.dtype).reshape(*lead, k)
-        y = _rows_matmul(x_NxK, self._kernel_KxM(k, n_in))
+        if self.matmul_dtype is None:
+            y = _rows_matmul(x_NxK, self._kernel_KxM(k, n_in))
+        else:  # `ModelConfig.matmul_dtype`: e.g. bf16 x bf16 kernel -> float32, back to `dtype`
+            y = _rows_matmul(x_NxK.astype(self.matmul_dtype), self._kernel_KxM(k, n_in),
+                             jnp.float32).astype(self.dtype)
         # LoRA (`models.lora`): + s·(x A) B, only where the params hold the adapter (the
         # same params without it are the base model). B = 0 adds exactly 0. Adapter
         # dropout drops x on this path only, the base path above never sees it.
@@ -84,18 +91,25 @@ class Projection(nn.Module):
         return jnp.where(keep, x_NxK / jnp.asarray(1.0 - p, x_NxK.dtype), jnp.zeros((), x_NxK.dtype))
 
     def _kernel_KxM(self, k: int, n_in: int) -> jax.Array:
-        """The kernel as the `[K, M]` matrix the input multiplies, in the compute dtype: the
-        float param, or (QLoRA, `quantize` set and the params hold codes) de-quantised here,
-        inside the jit, so no float copy of the base is ever stored."""
+        """The kernel as the `[K, M]` matrix the input multiplies, in the dot's input dtype
+        (`matmul_dtype`, else the compute dtype): the float param, or (QLoRA, `quantize` set
+        and the params hold codes) de-quantised here, inside the jit, so no float copy of
+        the base is ever stored."""
+        dt = self.dtype if self.matmul_dtype is None else self.matmul_dtype
         if self.quantize != "none" and (self.is_initializing() or quant.is_quantized(
                 self.get_variable("params", "kernel"))):
             q = self.param("kernel", quant.kernel_init(_init, self.quantize, self.axes, n_in), self.shape,
                            self.param_dtype)
-            return quant.dequantize(q, self.dtype)
+            return quant.dequantize(q, dt)
         w = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype)
-        return w.astype(self.dtype).reshape(k, -1)
+        return w.astype(dt).reshape(k, -1)
 
 
 def _adapter(config: ModelConfig, path: str) -> LoraConfig | None:
     """The projection at `path` ("self_attn/q_proj", "lm_head")'s adapter config, if any."""
     return config.lora if config.lora is not None and config.lora.adapts(path) else None
+
+
+def _matmul_dtype(config: ModelConfig) -> jnp.dtype | None:
+    """The decoder layers' projection dot input dtype (`ModelConfig.matmul_dtype`), or None."""
+    return None if config.matmul_dtype is None else jnp.dtype(config.matmul_dtype)

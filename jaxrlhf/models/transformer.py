@@ -32,7 +32,7 @@ from jaxrlhf.models import lora as lora_lib
 from jaxrlhf.models import quant
 from jaxrlhf.models.attention import AttentionMask
 from jaxrlhf.models.config import REMAT_POLICIES, ModelConfig
-from jaxrlhf.models.projection import Projection, _adapter, _init, _rows_matmul
+from jaxrlhf.models.projection import Projection, _adapter, _init, _matmul_dtype, _rows_matmul
 
 HEADS = ("lm", "score", "lm_value")
 
@@ -184,7 +184,8 @@ class Attention(nn.Module):
         tail = slice(None) if queries is None else slice(-queries, None)
         qkv_bias = lambda heads: (heads, "head_dim") if c.qkv_bias else None
         proj = lambda name, shape, axes, bias, n_out=None: Projection(
-            shape, axes, bias, dt, pdt, n_out, _adapter(c, f"self_attn/{name}"), c.quantize, name=name)
+            shape, axes, bias, dt, pdt, n_out, _adapter(c, f"self_attn/{name}"), c.quantize, _matmul_dtype(c),
+            name=name)
         q = proj("q_proj", (d, n, h), ("embed", "q_heads", "head_dim"), qkv_bias("q_heads"))(x_BxLxD[:, tail])
         key = proj("k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
         val = proj("v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), qkv_bias("kv_heads"))(x_BxLxD)
@@ -231,7 +232,7 @@ class MLP(nn.Module):
         d, f = c.hidden_size, c.intermediate_size
         bias = lambda ax: (ax,) if c.mlp_bias else None
         proj = lambda name, shape, axes, b: Projection(shape, axes, b, dt, pdt, lora=_adapter(c, f"mlp/{name}"),
-                                                       quantize=c.quantize, name=name)
+                                                       quantize=c.quantize, matmul_dtype=_matmul_dtype(c), name=name)
         gate = proj("gate_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         up = proj("up_proj", (d, f), ("embed", "mlp"), bias("mlp"))(x_BxLxD)
         act = _ACTIVATIONS[c.hidden_act]

@@ -91,7 +91,7 @@ def model(**kw) -> mlc.ConfigDict:
         path="", hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32,
         max_position_embeddings=64, tie_word_embeddings=False, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=False, attention="auto", cache_dtype=mlc.config_dict.placeholder(str),
-        logprobs_head="auto", lora=lora()), **kw))
+        matmul_dtype=mlc.config_dict.placeholder(str), logprobs_head="auto", lora=lora()), **kw))
 
 
 def lora(**kw) -> mlc.ConfigDict:

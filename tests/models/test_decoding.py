@@ -101,6 +101,42 @@ def test_bfloat16_cache_with_float32_params(hf_store):
     assert np.abs(got[valid] - full[valid]).max() > 0  # the cache really is rounded
 
 
+def test_bfloat16_matmuls_take_the_bf16_kernels_as_stored(hf_store):
+    """`matmul_dtype="bfloat16"` with bf16 params and float32 compute: every layer projection
+    is one bf16 x bf16 dot accumulating in float32 (no float32 copy of a kernel), equal to
+    the float64 product of its bf16-rounded input; the logits stay within bf16 rounding of
+    the float32 model's."""
+    from jaxrlhf.models import ModelConfig
+    from jaxrlhf.models.projection import Projection
+
+    proj = Projection((8, 5), ("embed", "mlp"), None, jnp.float32, jnp.bfloat16, matmul_dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    p = proj.init(jax.random.key(1), x)
+    y = proj.apply(p, x)
+    w = np.asarray(p["params"]["kernel"].value if hasattr(p["params"]["kernel"], "value") else p["params"]["kernel"],
+                   np.float64)
+    want = np.asarray(x.astype(jnp.bfloat16), np.float64) @ w
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-6)
+
+    path = hf_store.get("llama3")[0]
+    model, params = load_pretrained(path, param_dtype="bfloat16", dtype="float32", matmul_dtype="bfloat16")
+    ids, mask, _ = _left_padded()
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    forward = lambda m, prm: m.apply({"params": prm}, ids, mask).logits
+    jaxpr = str(jax.make_jaxpr(functools.partial(forward, model))(params))
+    n = model.config.num_layers * 7  # q, k, v, o, gate, up, down
+    assert jaxpr.count("preferred_element_type=float32") >= n, jaxpr.count("preferred_element_type=float32")
+    model32, params32 = load_pretrained(path)
+    got, full = np.asarray(jax.jit(forward, static_argnums=0)(model, params)), np.asarray(forward(model32, params32))
+    valid = np.asarray(mask, bool)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got[valid], full[valid], atol=0.05 * np.abs(full).max())
+    with pytest.raises(ValueError, match="matmul_dtype='int8'"):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                    head_dim=8, matmul_dtype="int8")
+
+
 @pytest.mark.parametrize("tied, soft_cap, lora_head", [(True, None, False), (False, 30.0, False), (False, None, True)])
 def test_vocab_major_logits_equal_the_heads_logits(tied, soft_cap, lora_head):
     from jaxrlhf.models import ModelConfig, Transformer, init_params, lm_head_rows, project_logits, vocab_major_logits

@@ -166,9 +166,10 @@ def test_model_options_reach_the_model_config():
     """`config.model.<option>` (RUNTIME_FIELDS) is what the built model runs with."""
     from jaxrlhf.runs import config_base, setup
 
-    cfg = config_base.model(attention="chunked", cache_dtype="bfloat16")
+    cfg = config_base.model(attention="chunked", cache_dtype="bfloat16", matmul_dtype="bfloat16")
     model, _ = setup.build_model(cfg, vocab_size=16)
-    assert (model.config.attention, model.config.cache_dtype) == ("chunked", "bfloat16")
+    assert (model.config.attention, model.config.cache_dtype, model.config.matmul_dtype) == ("chunked", "bfloat16",
+                                                                                              "bfloat16")
     with pytest.raises(ValueError, match="attention='flash'"):
         setup.build_model(config_base.model(attention="flash"), vocab_size=16)
 
