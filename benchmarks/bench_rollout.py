@@ -107,6 +107,7 @@ def main():
                 if args.bf16_dots else None)
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    bf16_bytes = sum(x.nbytes for x in jax.tree.leaves(bf16[1])) if bf16 is not None else 0
     results = {"workload": "measurement 1" if args.shape == "workload" else f"{args.shape}-shaped model",
                "shape": args.shape, "new_tokens": new_tokens, "weight_bytes": weight_bytes,
                "bandwidth_gb_s": _bandwidth_gb_s(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -165,7 +166,7 @@ def main():
                 t = _common.timed(fn, warmup=warmup, repeats=repeats)
             t.update(watch.result(), impl=name, batch=b, tokens_per_s=b * new_tokens / t["median_s"],
                      weight_floor_fraction=floor_fraction(t["median_s"]) * (
-                         sum(x.nbytes for x in jax.tree.leaves(bf16[1])) / weight_bytes if run_bf16_dots is fn else 1))
+                         bf16_bytes / weight_bytes if fn is run_bf16_dots else 1))
             if name == "jaxrlhf":
                 # The blocks `generate` ran: its default rule reads the weights' size too.
                 t.update(first_call_s=compile_s,

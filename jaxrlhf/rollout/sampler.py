@@ -325,7 +325,7 @@ def sample(
     keys_N = _row_keys(rng, n, first_row) if temperature > 0 else None
 
     def emit(state, logits, t):
-        noise_N = None if keys_N is None else _step_noise(keys_N, t, logits.shape[-1])
+        noise_N = None if keys_N is None else _step_noise(keys_N, t, model.config.vocab_size)
         tokens, logps, done = state["tokens"], state["logps"], state["done"]
         # Response token t is the (t+1)-th: EOS cannot be drawn before min_new_tokens of them.
         ban_eos = min_new_tokens > 0 and eos_id is not None
