@@ -21,13 +21,23 @@ one device:
    large `x + 1` copy: one read, one write). Reported: tokens/s, roofline tokens/s, and
    their ratio.
 
-4. **Attention implementations** (`bench_attention.py`): each one this device runs
+4. **Rollout at a real checkpoint's shapes against transformers**: a SmolLM2-135M-shaped
+   Llama (`_common.SHAPES["smollm2"]`: 30 layers, 576 wide, 9/3 heads, V = 49,152, tied
+   head; HF's random init, the values do not change the time) in bf16 on this device, B =
+   8 / 16 / 64 random 32-token prompts × 256 sampled tokens (τ = 1, top-k/top-p off, no
+   early stop): `jaxrlhf.rollout.generate` against transformers' `generate` (torch, bf16,
+   its default attention) on the same device with the same weights. Reported: new tokens/s
+   of each, their ratio, and the fraction of the weight-streaming floor (bf16 weight bytes
+   per new token over the measured copy bandwidth).
+5. **Attention implementations** (`bench_attention.py`): each one this device runs
    (dense, chunked, and cuDNN on a GPU or splash on a TPU) checked against dense in
    values and gradients on the device, then timed forward + backward at L = 2k and 8k.
 
-Writes `<out>/bench_gpu.json` and `<out>/bench_gpu.md`.
+Each part runs on its own: one that fails is recorded with its error and the others still
+run. `<out>/bench_gpu.json` is rewritten after every part (a run stopped by its time limit
+keeps what it finished); `<out>/bench_gpu.md` tables what ran.
 
-    benchmarks/gpu.sh                       # on a GPU machine, ~5-8 minutes
+    benchmarks/gpu.sh                       # on a GPU machine, ~8.5 minutes on an H200
     python benchmarks/bench_gpu.py --tiny   # a seconds-long smoke run on CPU
 """
 
@@ -40,7 +50,9 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +89,9 @@ class Setup:
     matmul_n: int
     copy_mb: int
     repeats: int
+    rollout_shape: str = "smollm2"
+    rollout_batches: tuple[int, ...] = (8, 16, 64)
+    rollout_tokens: int = 256
 
 
 def setups(tiny: bool) -> Setup:
@@ -85,7 +100,8 @@ def setups(tiny: bool) -> Setup:
                           num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                           dtype="bfloat16", param_dtype="float32")
         return Setup(cfg, train_batch=2, train_len=32, train_steps=2, decode_batch=2, prompt_len=8,
-                     decode_tokens=8, matmul_n=256, copy_mb=8, repeats=2)
+                     decode_tokens=8, matmul_n=256, copy_mb=8, repeats=2, rollout_shape="workload",
+                     rollout_batches=(2,), rollout_tokens=8)
     cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16,
                       num_kv_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=500000.0,
                       dtype="bfloat16", param_dtype="float32")
@@ -200,50 +216,131 @@ def bench_decode(s: Setup, bw_gbs: float) -> dict:
     }
 
 
+def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2) -> dict:
+    """Part 4: `generate` vs transformers' `generate` at a real checkpoint's shapes, bf16, one device."""
+    import _common  # torch and transformers: for this part only
+    import torch
+
+    from jaxrlhf.models import load_pretrained
+
+    hf = _common.hf_llama(seed=0, shape=s.rollout_shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        model, params = load_pretrained(tmp, param_dtype="bfloat16", dtype="bfloat16")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = hf.to(device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cfg, t_new, prompt_len = model.config, s.rollout_tokens, 32
+    weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(params)))
+    out = {"shape": s.rollout_shape, "torch": torch.__version__, "torch_device": device, "prompt_len": prompt_len,
+           "new_tokens": t_new, "weight_bytes": weight_bytes, "runs": []}
+    prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (max(s.rollout_batches), prompt_len))
+
+    # Greedy agreement, for the record: both compute the model in bf16 with their own kernels,
+    # so the argmax may part after some tokens; the count of equal leading tokens is reported.
+    p2 = prompts[:2]
+    ours = generate(model, params, jnp.asarray(p2, jnp.int32), jnp.ones(p2.shape, bool), jax.random.key(0),
+                    max_new_tokens=16, temperature=0.0, eos_id=None)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(p2, device=device), attention_mask=torch.ones(p2.shape, device=device,
+                             dtype=torch.long), do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+    same = np.asarray(ours.response_ids) == theirs[:, prompt_len:].cpu().numpy()
+    out["greedy_equal_leading_tokens"] = [int(np.argmin(np.append(r, False))) for r in same]
+
+    for b in s.rollout_batches:
+        ids = jnp.asarray(prompts[:b], jnp.int32)
+        mask = jnp.ones(ids.shape, bool)
+        keys = iter(jax.random.split(jax.random.key(1), 64))
+
+        def run_ours():
+            generate(model, params, ids, mask, next(keys), max_new_tokens=t_new, eos_id=None).response_ids.block_until_ready()
+
+        tb = torch.tensor(prompts[:b], device=device)
+        tm = torch.ones(tb.shape, device=device, dtype=torch.long)
+
+        def run_hf():
+            with torch.no_grad():
+                hf.generate(tb, attention_mask=tm, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                            max_new_tokens=t_new, min_new_tokens=t_new, use_cache=True, pad_token_id=0)
+            sync()
+
+        for impl, fn in (("jaxrlhf", run_ours), ("transformers", run_hf)):
+            t0 = time.perf_counter()
+            fn()
+            first = time.perf_counter() - t0
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            med = float(np.median(times))
+            out["runs"].append({"impl": impl, "batch": b, "first_call_s": first, "median_s": med,
+                                "times_s": times, "tokens_per_s": b * t_new / med,
+                                "weight_floor_fraction": weight_bytes / (bw_gbs * 1e9) / (med / t_new)})
+            print(json.dumps(out["runs"][-1]), flush=True)
+        ours_s, theirs_s = (r["median_s"] for r in out["runs"][-2:])
+        out[f"speedup_vs_transformers_B{b}"] = theirs_s / ours_s
+    return out
+
+
 def to_markdown(res: dict) -> str:
-    d, tr, de, pk, bw = res["device"], res["train"], res["decode"], res["peak"], res["bandwidth"]
+    d, pk, bw = res["device"], res.get("peak"), res.get("bandwidth")
+    tr, de, ro = res.get("train"), res.get("decode"), res.get("rollout")
     nominal = res.get("nominal") or {}
-    lines = [
-        f"# jaxrlhf on one {d['kind']} ({d['platform']})", "",
-        f"jax {res['jax']}, model {tr['params'] / 1e9:.4g}B params (random weights), "
-        f"{res['wall_s']:.0f} s wall for the whole run.", "",
-        "| measurement | value |", "|---|---|",
-        f"| bf16 matmul peak (measured, n={pk['matmul_n']}) | {pk['tflops']:.4g} TFLOP/s |",
-        f"| copy bandwidth (measured) | {bw['gb_per_s']:.4g} GB/s |",
-    ]
+    lines = [f"# jaxrlhf on one {d['kind']} ({d['platform']})", "",
+             f"jax {res['jax']}, random weights, {res.get('wall_s', float('nan')):.0f} s wall for the whole run.", "",
+             "| measurement | value |", "|---|---|"]
+    if pk:
+        lines += [f"| bf16 matmul peak (measured, n={pk['matmul_n']}) | {pk['tflops']:.4g} TFLOP/s |"]
+    if bw:
+        lines += [f"| copy bandwidth (measured) | {bw['gb_per_s']:.4g} GB/s |"]
     if nominal:
         lines += [f"| nominal peak / bandwidth | {nominal['tflops']:.0f} TFLOP/s / {nominal['gb_per_s']:.0f} GB/s |"]
-    lines += [
-        f"| train step ({tr['batch']}×{tr['seq_len']} tokens, AdamW) | {tr['step_s'] * 1e3:.1f} ms, "
-        f"{tr['tokens_per_s']:.0f} tokens/s |",
-        f"| model FLOPs / step (6·N·tokens + attention) | {tr['model_flops_per_step'] / 1e12:.4g} TFLOP "
-        f"(attention {100 * tr['attention_flops_share']:.1f}%) |",
-        f"| **MFU** vs measured peak | **{100 * tr['mfu_vs_measured_peak']:.1f}%** |",
-    ]
-    if "mfu_vs_nominal_peak" in tr:
-        lines += [f"| MFU vs nominal peak | {100 * tr['mfu_vs_nominal_peak']:.1f}% |"]
-    lines += [
-        f"| decode (batch {de['batch']}, prompt {de['prompt_len']}, {de['new_tokens']} new) | "
-        f"{de['decode_step_s'] * 1e3:.2f} ms/step, {de['tokens_per_s']:.0f} tokens/s |",
-        f"| decode roofline (weights {de['weight_bytes'] / 1e9:.2f} GB + KV {de['kv_cache_bytes'] / 1e9:.2f} GB "
-        f"per step) | {de['roofline_step_s'] * 1e3:.2f} ms/step, {de['roofline_tokens_per_s']:.0f} tokens/s |",
-        f"| **decode fraction of roofline** | **{100 * de['fraction_of_roofline']:.1f}%** |", "",
-    ]
-    for row in res.get("attention", {}).get("rows", []):
+    if tr:
+        lines += [
+            f"| train step ({tr['params'] / 1e9:.3g}B params, {tr['batch']}×{tr['seq_len']} tokens, AdamW) | "
+            f"{tr['step_s'] * 1e3:.1f} ms, {tr['tokens_per_s']:.0f} tokens/s |",
+            f"| model FLOPs / step (6·N·tokens + attention) | {tr['model_flops_per_step'] / 1e12:.4g} TFLOP "
+            f"(attention {100 * tr['attention_flops_share']:.1f}%) |",
+            f"| **MFU** vs measured peak | **{100 * tr['mfu_vs_measured_peak']:.1f}%** |",
+        ]
+        if "mfu_vs_nominal_peak" in tr:
+            lines += [f"| MFU vs nominal peak | {100 * tr['mfu_vs_nominal_peak']:.1f}% |"]
+    if de:
+        lines += [
+            f"| decode (batch {de['batch']}, prompt {de['prompt_len']}, {de['new_tokens']} new) | "
+            f"{de['decode_step_s'] * 1e3:.2f} ms/step, {de['tokens_per_s']:.0f} tokens/s |",
+            f"| decode roofline (weights {de['weight_bytes'] / 1e9:.2f} GB + KV {de['kv_cache_bytes'] / 1e9:.2f} GB "
+            f"per step) | {de['roofline_step_s'] * 1e3:.2f} ms/step, {de['roofline_tokens_per_s']:.0f} tokens/s |",
+            f"| **decode fraction of roofline** | **{100 * de['fraction_of_roofline']:.1f}%** |",
+        ]
+    if ro:
+        lines += ["", f"Rollout, {ro['shape']}-shaped model in bf16, {ro['new_tokens']} sampled tokens a row "
+                  f"(greedy: {ro['greedy_equal_leading_tokens']} equal leading tokens of 16):", "",
+                  "| B | impl | median s | new tokens/s | weight-streaming floor reached | first call s |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['impl']} | {r['median_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                  f"{r['weight_floor_fraction']:.1%} | {r['first_call_s']:.1f} |" for r in ro["runs"]]
+        lines += [f"- B = {k.rsplit('B', 1)[1]}: jaxrlhf / transformers speed = {v:.2f}×"
+                  for k, v in ro.items() if k.startswith("speedup_vs_transformers_B")]
+    lines.append("")
+    for row in (res.get("attention") or {}).get("rows", []):
         err = row.get("error_vs_dense")
         cells = [f"{k}: {v['fwd_bwd_ms']:.2f} ms ({v['tflops']:.3g} TFLOP/s)" for k, v in row.items() if k.startswith("L=")]
         lines.append(f"- attention `{row['implementation']}`: " + ("; ".join(cells) or row.get("failed", ""))
                      + (f"; max error vs dense {max(err.values()):.2e}" if err else ""))
-    return "\n".join(lines)
+    lines += [f"- part `{k}` failed: {v}" for k, v in res.get("failed", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+PARTS = ("peak", "bandwidth", "train", "decode", "rollout", "attention")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke run that works on CPU")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu"))
-    ap.add_argument("--skip-train", action="store_true")
-    ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], choices=PARTS[2:], help="parts not to run")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     s = setups(args.tiny)
@@ -251,36 +348,45 @@ def main(argv=None):
     kind = getattr(dev, "device_kind", str(dev))
     res = {"jax": jax.__version__, "host": platform.node(), "tiny": args.tiny,
            "device": {"kind": kind, "platform": dev.platform, "count": jax.device_count()},
-           "model": dataclasses.asdict(s.model)}
+           "model": dataclasses.asdict(s.model), "failed": {}}
     nominal = next(((k, v) for k, v in NOMINAL.items() if k.lower() in kind.lower()), None)
     if nominal:
         res["nominal"] = {"match": nominal[0], "tflops": nominal[1][0], "gb_per_s": nominal[1][1]}
     print(f"device: {kind} ({dev.platform}) x{jax.device_count()}", flush=True)
-    res["peak"] = measure_peak(s.matmul_n, s.repeats)
-    print(f"peak bf16 matmul: {res['peak']['tflops']:.4g} TFLOP/s", flush=True)
-    res["bandwidth"] = measure_bandwidth(s.copy_mb, s.repeats)
-    print(f"copy bandwidth: {res['bandwidth']['gb_per_s']:.0f} GB/s", flush=True)
-    if not args.skip_train:
-        res["train"] = bench_train(s, res["peak"]["tflops"])
-        if nominal:
-            res["train"]["mfu_vs_nominal_peak"] = res["train"]["achieved_tflops"] / nominal[1][0]
-        print(f"train: {res['train']['step_s'] * 1e3:.1f} ms/step, MFU {100 * res['train']['mfu_vs_measured_peak']:.1f}%"
-              " of measured peak", flush=True)
-    if not args.skip_decode:
-        res["decode"] = bench_decode(s, res["bandwidth"]["gb_per_s"])
-        print(f"decode: {res['decode']['tokens_per_s']:.0f} tokens/s, "
-              f"{100 * res['decode']['fraction_of_roofline']:.1f}% of roofline", flush=True)
-    if not args.skip_attention:
-        res["attention"] = bench_attention.run(tiny=args.tiny)
-    res["wall_s"] = time.perf_counter() - t_start
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    if "train" in res and "decode" in res:
+
+    def save():
+        res["wall_s"] = time.perf_counter() - t_start
+        with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+            json.dump(res, f, indent=2)
         with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
             f.write(to_markdown(res))
-        print(to_markdown(res))
-    print(f"wrote {args.out}/bench_gpu.json", flush=True)
+
+    peak = lambda: res["peak"]["tflops"]
+    bandwidth = lambda: res["bandwidth"]["gb_per_s"]
+    parts = {
+        "peak": lambda: measure_peak(s.matmul_n, s.repeats),
+        "bandwidth": lambda: measure_bandwidth(s.copy_mb, s.repeats),
+        "train": lambda: bench_train(s, peak()),
+        "decode": lambda: bench_decode(s, bandwidth()),
+        "rollout": lambda: bench_rollout_peer(s, bandwidth()),
+        "attention": lambda: bench_attention.run(tiny=args.tiny),
+    }
+    for name in PARTS:
+        if name in args.skip:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res[name] = parts[name]()
+        except Exception as e:  # recorded, and the other parts still run
+            traceback.print_exc()
+            res["failed"][name] = f"{type(e).__name__}: {str(e)[:500]}"
+        if name == "train" and nominal and "train" in res:
+            res["train"]["mfu_vs_nominal_peak"] = res["train"]["achieved_tflops"] / nominal[1][0]
+        print(f"part {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        save()
+    print(to_markdown(res))
+    print(f"wrote {args.out}/bench_gpu.json and bench_gpu.md", flush=True)
 
 
 if __name__ == "__main__":
