@@ -28,7 +28,9 @@ one device:
    early stop): `jaxrlhf.rollout.generate` against transformers' `generate` (torch, bf16,
    its default attention) on the same device with the same weights. Reported: new tokens/s
    of each, their ratio, and the fraction of the weight-streaming floor (bf16 weight bytes
-   per new token over the measured copy bandwidth).
+   per new token over the measured copy bandwidth). With `--tunix-python PY` Tunix's
+   sampler runs too (`tunix_rollout_worker.py --dtype bfloat16` in PY, after ours at each
+   B); `--rollout-peers tunix` leaves transformers out.
 5. **Attention implementations** (`bench_attention.py`): each one this device runs
    (dense, chunked, and cuDNN on a GPU or splash on a TPU) checked against dense in
    values and gradients on the device, then timed forward + backward at L = 2k and 8k.
@@ -216,9 +218,12 @@ def bench_decode(s: Setup, bw_gbs: float) -> dict:
     }
 
 
-def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2) -> dict:
-    """Part 4: `generate` vs transformers' `generate` at a real checkpoint's shapes, bf16, one device."""
+def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transformers",),
+                       tunix_python: str | None = None, prompts_path: str | None = None) -> dict:
+    """Part 4: `generate` vs transformers' `generate` (and Tunix's sampler, in `tunix_python`)
+    at a real checkpoint's shapes, bf16, one device."""
     import _common  # torch and transformers: for this part only
+    import bench_rollout
     import torch
 
     from jaxrlhf.models import load_pretrained
@@ -234,18 +239,25 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2) -> dict:
     weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(params)))
     out = {"shape": s.rollout_shape, "torch": torch.__version__, "torch_device": device, "prompt_len": prompt_len,
            "new_tokens": t_new, "weight_bytes": weight_bytes, "runs": []}
-    prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (max(s.rollout_batches), prompt_len))
+    try:  # the workload's 32-token rows (valid ids of any vocabulary), as the Tunix worker reads them
+        rows = np.asarray(_common.load_workload(prompts_path)["prompts"])
+        out["prompts"] = "workload_prompts.json"
+    except FileNotFoundError:
+        rows = np.random.default_rng(0).integers(3, cfg.vocab_size, (16, prompt_len))
+        out["prompts"] = "random"
+    prompts = np.concatenate([rows] * -(-max(s.rollout_batches) // len(rows)))
 
-    # Greedy agreement, for the record: both compute the model in bf16 with their own kernels,
-    # so the argmax may part after some tokens; the count of equal leading tokens is reported.
-    p2 = prompts[:2]
-    ours = generate(model, params, jnp.asarray(p2, jnp.int32), jnp.ones(p2.shape, bool), jax.random.key(0),
-                    max_new_tokens=16, temperature=0.0, eos_id=None)
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor(p2, device=device), attention_mask=torch.ones(p2.shape, device=device,
-                             dtype=torch.long), do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
-    same = np.asarray(ours.response_ids) == theirs[:, prompt_len:].cpu().numpy()
-    out["greedy_equal_leading_tokens"] = [int(np.argmin(np.append(r, False))) for r in same]
+    if "transformers" in peers:
+        # Greedy agreement, for the record: both compute the model in bf16 with their own kernels,
+        # so the argmax may part after some tokens; the count of equal leading tokens is reported.
+        p2 = prompts[:2]
+        ours = generate(model, params, jnp.asarray(p2, jnp.int32), jnp.ones(p2.shape, bool), jax.random.key(0),
+                        max_new_tokens=16, temperature=0.0, eos_id=None)
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor(p2, device=device), attention_mask=torch.ones(p2.shape, device=device,
+                                 dtype=torch.long), do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+        same = np.asarray(ours.response_ids) == theirs[:, prompt_len:].cpu().numpy()
+        out["greedy_equal_leading_tokens"] = [int(np.argmin(np.append(r, False))) for r in same]
 
     for b in s.rollout_batches:
         ids = jnp.asarray(prompts[:b], jnp.int32)
@@ -264,7 +276,7 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2) -> dict:
                             max_new_tokens=t_new, min_new_tokens=t_new, use_cache=True, pad_token_id=0)
             sync()
 
-        for impl, fn in (("jaxrlhf", run_ours), ("transformers", run_hf)):
+        for impl, fn in (("jaxrlhf", run_ours),) + ((("transformers", run_hf),) if "transformers" in peers else ()):
             t0 = time.perf_counter()
             fn()
             first = time.perf_counter() - t0
@@ -278,8 +290,21 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2) -> dict:
                                 "times_s": times, "tokens_per_s": b * t_new / med,
                                 "weight_floor_fraction": weight_bytes / (bw_gbs * 1e9) / (med / t_new)})
             print(json.dumps(out["runs"][-1]), flush=True)
-        ours_s, theirs_s = (r["median_s"] for r in out["runs"][-2:])
-        out[f"speedup_vs_transformers_B{b}"] = theirs_s / ours_s
+        if "tunix" in peers:
+            try:
+                t = bench_rollout._run_tunix(tunix_python, b, 1, repeats, prompts_path, s.rollout_shape, t_new,
+                                             dtype="bfloat16")
+                t["weight_floor_fraction"] = weight_bytes / (bw_gbs * 1e9) / (t["median_s"] / t_new)
+                out["runs"].append(t)
+                print(json.dumps(t), flush=True)
+            except Exception as e:  # recorded; our rows and transformers' stand
+                out.setdefault("tunix_failed", {})[str(b)] = f"{type(e).__name__}: {str(e)[-800:]}"
+                print(f"tunix at B = {b} failed: {e}", flush=True)
+        ours = next(r["median_s"] for r in out["runs"] if r["batch"] == b and r["impl"] == "jaxrlhf")
+        for peer in peers:
+            theirs = next((r["median_s"] for r in out["runs"] if r["batch"] == b and r["impl"] == peer), None)
+            if theirs is not None:
+                out[f"speedup_vs_{peer}_B{b}"] = theirs / ours
     return out
 
 
@@ -315,14 +340,16 @@ def to_markdown(res: dict) -> str:
             f"| **decode fraction of roofline** | **{100 * de['fraction_of_roofline']:.1f}%** |",
         ]
     if ro:
-        lines += ["", f"Rollout, {ro['shape']}-shaped model in bf16, {ro['new_tokens']} sampled tokens a row "
-                  f"(greedy: {ro['greedy_equal_leading_tokens']} equal leading tokens of 16):", "",
+        greedy = ro.get("greedy_equal_leading_tokens")
+        lines += ["", f"Rollout, {ro['shape']}-shaped model in bf16, {ro['new_tokens']} sampled tokens a row"
+                  + (f" (greedy against transformers: {greedy} equal leading tokens of 16)" if greedy else "") + ":", "",
                   "| B | impl | median s | new tokens/s | weight-streaming floor reached | first call s |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['impl']} | {r['median_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                   f"{r['weight_floor_fraction']:.1%} | {r['first_call_s']:.1f} |" for r in ro["runs"]]
-        lines += [f"- B = {k.rsplit('B', 1)[1]}: jaxrlhf / transformers speed = {v:.2f}×"
-                  for k, v in ro.items() if k.startswith("speedup_vs_transformers_B")]
+        lines += [f"- B = {k.rsplit('B', 1)[1]}: jaxrlhf / {k.split('_')[2]} speed = {v:.2f}×"
+                  for k, v in ro.items() if k.startswith("speedup_vs_")]
+        lines += [f"- Tunix at B = {b} failed: {e}" for b, e in ro.get("tunix_failed", {}).items()]
     lines.append("")
     for row in (res.get("attention") or {}).get("rows", []):
         err = row.get("error_vs_dense")
@@ -341,9 +368,21 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke run that works on CPU")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu"))
     ap.add_argument("--skip", nargs="*", default=[], choices=PARTS[2:], help="parts not to run")
+    ap.add_argument("--rollout-peers", nargs="+", default=["transformers"], choices=("transformers", "tunix"),
+                    help="the rollout part's peers")
+    ap.add_argument("--tunix-python", default=None,
+                    help="a python with google-tunix: Tunix's sampler in the rollout part (bf16 too)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json, where it is not in ../shared")
+    ap.add_argument("--rollout-batches", type=int, nargs="+", default=None, help="the rollout part's B (8 16 64)")
     args = ap.parse_args(argv)
+    if args.tunix_python:
+        args.rollout_peers = list(dict.fromkeys(args.rollout_peers + ["tunix"]))
+    elif "tunix" in args.rollout_peers:
+        ap.error("--rollout-peers tunix needs --tunix-python")
     t_start = time.perf_counter()
     s = setups(args.tiny)
+    if args.rollout_batches:
+        s = dataclasses.replace(s, rollout_batches=tuple(args.rollout_batches))
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", str(dev))
     res = {"jax": jax.__version__, "host": platform.node(), "tiny": args.tiny,
@@ -369,7 +408,8 @@ def main(argv=None):
         "bandwidth": lambda: measure_bandwidth(s.copy_mb, s.repeats),
         "train": lambda: bench_train(s, peak()),
         "decode": lambda: bench_decode(s, bandwidth()),
-        "rollout": lambda: bench_rollout_peer(s, bandwidth()),
+        "rollout": lambda: bench_rollout_peer(s, bandwidth(), peers=args.rollout_peers, tunix_python=args.tunix_python,
+                                              prompts_path=args.prompts),
         "attention": lambda: bench_attention.run(tiny=args.tiny),
     }
     for name in PARTS:

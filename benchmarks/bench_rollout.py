@@ -315,18 +315,20 @@ def skewed(args, warmup: int, repeats: int):
 
 
 def _run_tunix(python: str, batch: int, warmup: int, repeats: int, prompts: str | None, shape: str = "workload",
-               new_tokens: int = NEW_TOKENS) -> dict:
+               new_tokens: int = NEW_TOKENS, dtype: str = "float32") -> dict:
     """Tunix's sampler on the same workload and model shapes, in its own interpreter (see the
     module doc)."""
     cmd = [python, str(Path(__file__).with_name("tunix_rollout_worker.py")), "--batch", str(batch),
-           "--warmup", str(warmup), "--repeats", str(repeats), "--shape", shape, "--new-tokens", str(new_tokens)]
+           "--warmup", str(warmup), "--repeats", str(repeats), "--shape", shape, "--new-tokens", str(new_tokens),
+           "--dtype", dtype]
     r, watch = _common.run_json_worker(cmd + (["--prompts", prompts] if prompts else []), "tunix")
     if r["new_tokens_per_row"] != [new_tokens]:
         raise RuntimeError(f"tunix generated {r['new_tokens_per_row']} tokens per row, expected {new_tokens}")
     t = _common.summary(r["times"])
     # The watch spans the worker's start-up and compile too; its own process is excluded.
     t.update(watch.result(), impl="tunix", batch=batch, tokens_per_s=batch * new_tokens / t["median_s"],
-             first_call_s=r["first_call_s"], versions={"tunix": r["tunix"], "jax": r["jax"]})
+             first_call_s=r["first_call_s"], versions={"tunix": r["tunix"], "jax": r["jax"]}, dtype=r["dtype"],
+             device=r["device"])
     return t
 
 

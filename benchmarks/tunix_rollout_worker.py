@@ -19,6 +19,9 @@ Prints one JSON line: per-call wall seconds of `sampler(...)` after warm-up.
 sampler on a SmolLM2-135M-shaped Llama3 (30 layers, 576 wide, 1536 MLP, 9/3 heads of 64,
 V = 49,152, tied embeddings, RoPE θ 1e5 as given), N new tokens per row, and a word-level
 vocabulary that names every id of V.
+
+`--dtype bfloat16` (from `bench_gpu.py --tunix-python`): the model's parameters cast to
+bf16 after its init, so that it computes in bf16 and its sampler keeps a bf16 KV cache.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main():
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--shape", choices=sorted(_common.SHAPES), default="workload")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's parameters (and so its compute and its sampler's KV cache)")
     args = ap.parse_args()
 
     import jax
@@ -64,6 +69,8 @@ def main():
 
     cfg = llama3.ModelConfig(**tunix_config(args.shape))
     model = llama3.Llama3(cfg, rngs=nnx.Rngs(params=0))
+    if args.dtype != "float32":  # the sampler takes its cache dtype from the parameters'
+        nnx.update(model, jax.tree.map(lambda x: x.astype(args.dtype), nnx.state(model, nnx.Param)))
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, cfg.vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -95,7 +102,8 @@ def main():
         times.append(time.perf_counter() - t0)
     print(json.dumps({"impl": "tunix", "B": args.batch, "times": times, "first_call_s": first_s,
                       "new_tokens_per_row": sorted(set(new_tokens)), "tunix": getattr(tunix, "__version__", "?"),
-                      "jax": jax.__version__}))
+                      "jax": jax.__version__, "dtype": str(sampler.dtype),
+                      "device": jax.devices()[0].device_kind}))
 
 
 if __name__ == "__main__":
