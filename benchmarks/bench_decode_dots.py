@@ -4,6 +4,7 @@
     python benchmarks/bench_decode_dots.py --parts chain    # one part
     python benchmarks/bench_decode_dots.py --parts head windows --rows 8 16 64 --batch 8 16 --new-tokens 256
     python benchmarks/bench_decode_dots.py --parts draw --rows 8 16 64
+    python benchmarks/bench_decode_dots.py --parts fused --rows 8 16 64
 
 XLA:CPU sends every dot to YNNPACK by default; `models.decode_compiler_options` compiles a
 decode of few rows through large weights with XLA's own (Eigen) dots instead. Each part
@@ -33,6 +34,8 @@ times both forms of the same jitted program alternately in one process (medians)
   the inverse CDF of one uniform per row (its draw for part of that day; `_inverse_cdf`
   here), and by its two-level Gumbel-max now (`rollout.sampler._draw`: 448 variates a
   row); all from each row's key as the sampler derives it.
+- `fused`: `chain`'s float32 stack (YNNPACK) with its seven projections against the same
+  with q/k/v and gate/up each one concatenated kernel: whether fewer, wider dots pay.
 
 Writes benchmarks/results/decode_dots.json (or --out).
 """
@@ -106,6 +109,52 @@ def chain(rows: list[int], repeats: int) -> list[dict]:
                    bf16_xla_s=b16["xla"])
         print(f"chain M={m}: float32 YNNPACK {row['f32_ynnpack_s'] * 1e3:.1f} ms, XLA {row['f32_xla_s'] * 1e3:.1f} ms; "
               f"bf16 YNNPACK {row['bf16_ynnpack_s'] * 1e3:.1f} ms, XLA {row['bf16_xla_s'] * 1e3:.1f} ms", flush=True)
+        out.append(row)
+    return out
+
+
+def fused(rows: list[int], repeats: int) -> list[dict]:
+    """`chain`'s float32 stack with its seven projections as the model holds them, against
+    the same stack with q/k/v as one [576, 960] kernel and gate/up as one [576, 3072] (the
+    concatenated weights built once, outside the timed program), YNNPACK's dots."""
+    import jax
+    import jax.numpy as jnp
+
+    d, f, kv, layers = 576, 1536, 192, 30
+    rng = np.random.default_rng(0)
+    shapes = dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, f), up=(d, f), down=(f, d))
+    sep = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for n, s in shapes.items()}
+           for _ in range(layers)]
+    cat = [dict(qkv=jnp.concatenate([w["q"], w["k"], w["v"]], 1), o=w["o"],
+                gate_up=jnp.concatenate([w["gate"], w["up"]], 1), down=w["down"]) for w in sep]
+
+    def separate(h, weights):
+        for w in weights:
+            q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
+            h = h + (q + jnp.tile(k + v, (1, 3))) @ w["o"]
+            h = h + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+            h = h * 0.5
+        return h
+
+    def together(h, weights):
+        for w in weights:
+            qkv = h @ w["qkv"]
+            q, k, v = qkv[:, :d], qkv[:, d:d + kv], qkv[:, d + kv:]
+            h = h + (q + jnp.tile(k + v, (1, 3))) @ w["o"]
+            gu = h @ w["gate_up"]
+            h = h + (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ w["down"]
+            h = h * 0.5
+        return h
+
+    out = []
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, d), np.float32))
+        a, b = jax.jit(separate), jax.jit(together)
+        np.testing.assert_allclose(np.asarray(a(x, sep)), np.asarray(b(x, cat)), rtol=1e-4, atol=1e-4)
+        t = _alternate({"separate": lambda x: a(x, sep), "fused": lambda x: b(x, cat)}, (x,), repeats)
+        row = dict(rows=m, separate_s=t["separate"], fused_s=t["fused"])
+        print(f"fused M={m}: seven projections {row['separate_s'] * 1e3:.2f} ms, q/k/v and gate/up fused "
+              f"{row['fused_s'] * 1e3:.2f} ms ({row['separate_s'] / row['fused_s']:.3f}x)", flush=True)
         out.append(row)
     return out
 
@@ -308,7 +357,7 @@ def draw(rows: list[int], repeats: int) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ["chain", "generate", "dtype", "head", "windows", "draw"]
+    parts = ["chain", "generate", "dtype", "head", "windows", "draw", "fused"]
     ap.add_argument("--parts", nargs="+", choices=parts, default=parts[:3])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16])
@@ -334,6 +383,8 @@ def main():
             results["windows"] = windows(args.batch, args.new_tokens, max(2, args.repeats // 2))
         if "draw" in args.parts:
             results["draw"] = draw(args.rows, max(args.repeats, 9))
+        if "fused" in args.parts:
+            results["fused"] = fused(args.rows, max(args.repeats, 9))
     results.update(watch.result())
     print(f"others' cores {results['others_cores']}")
     print("wrote", _common.write_json(args.out, "decode_dots.json", results))
