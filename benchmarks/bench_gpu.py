@@ -24,8 +24,9 @@ one device:
 4. **Rollout at a real checkpoint's shapes against transformers**: a SmolLM2-135M-shaped
    Llama (`_common.SHAPES["smollm2"]`: 30 layers, 576 wide, 9/3 heads, V = 49,152, tied
    head; HF's random init, the values do not change the time) in bf16 on this device, B =
-   8 / 16 / 64 random 32-token prompts × 256 sampled tokens (τ = 1, top-k/top-p off, no
-   early stop): `jaxrlhf.rollout.generate` against transformers' `generate` (torch, bf16,
+   8 / 16 / 64 rows of the workload's 32-token prompts (random ids where
+   workload_prompts.json is not found; `--prompts`) × 256 sampled tokens (τ = 1,
+   top-k/top-p off, no early stop): `jaxrlhf.rollout.generate` against transformers' `generate` (torch, bf16,
    its default attention) on the same device with the same weights. Reported: new tokens/s
    of each, their ratio, and the fraction of the weight-streaming floor (bf16 weight bytes
    per new token over the measured copy bandwidth). With `--tunix-python PY` Tunix's
