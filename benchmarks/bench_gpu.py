@@ -31,7 +31,10 @@ one device:
    of each, their ratio, and the fraction of the weight-streaming floor (bf16 weight bytes
    per new token over the measured copy bandwidth). With `--tunix-python PY` Tunix's
    sampler runs too (`tunix_rollout_worker.py --dtype bfloat16` in PY, after ours at each
-   B); `--rollout-peers tunix` leaves transformers out.
+   B); `--rollout-peers tunix` leaves transformers out. `--rollout-xla NAME=OPTION:VALUE`
+   adds our sampler compiled with those XLA options as more arms (their tokens checked
+   against the default arm's at a fixed key): the decode step at this size is bound by
+   its kernels' launches, which XLA's command buffers are for.
 5. **Attention implementations** (`bench_attention.py`): each one this device runs
    (dense, chunked, and cuDNN on a GPU or splash on a TPU) checked against dense in
    values and gradients on the device, then timed forward + backward at L = 2k and 8k.
@@ -219,15 +222,32 @@ def bench_decode(s: Setup, bw_gbs: float) -> dict:
     }
 
 
+def parse_xla_variants(specs: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """`NAME=OPTION:VALUE[;OPTION:VALUE...]` -> `{NAME: ((OPTION, VALUE), ...)}` (VALUE may hold
+    commas; an empty VALUE is an empty string)."""
+    out = {}
+    for spec in specs:
+        name, sep, body = spec.partition("=")
+        pairs = [kv.partition(":") for kv in body.split(";") if kv]
+        if not sep or not name or any(not k or not c for k, c, _ in pairs):
+            raise ValueError(f"--rollout-xla {spec!r}: expected NAME=OPTION:VALUE[;OPTION:VALUE...]")
+        out[name] = tuple((k, v) for k, _, v in pairs)
+    return out
+
+
 def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transformers",),
-                       tunix_python: str | None = None, prompts_path: str | None = None) -> dict:
+                       tunix_python: str | None = None, prompts_path: str | None = None,
+                       xla_variants: dict | None = None) -> dict:
     """Part 4: `generate` vs transformers' `generate` (and Tunix's sampler, in `tunix_python`)
-    at a real checkpoint's shapes, bf16, one device."""
+    at a real checkpoint's shapes, bf16, one device. `xla_variants` (`parse_xla_variants`)
+    adds our sampler compiled with those XLA options as more arms, each checked for the
+    default arm's tokens at a fixed key."""
     import _common  # torch and transformers: for this part only
     import bench_rollout
     import torch
 
     from jaxrlhf.models import load_pretrained
+    from jaxrlhf.rollout import sampler
 
     hf = _common.hf_llama(seed=0, shape=s.rollout_shape)
     with tempfile.TemporaryDirectory() as tmp:
@@ -268,6 +288,18 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
         def run_ours():
             generate(model, params, ids, mask, next(keys), max_new_tokens=t_new, eos_id=None).response_ids.block_until_ready()
 
+        def with_options(options):
+            real = sampler._compiled
+
+            def run(key=None):
+                sampler._compiled = lambda model, _options=(), **static: real(model, options, **static)
+                try:
+                    return generate(model, params, ids, mask, next(keys) if key is None else key, max_new_tokens=t_new,
+                                    eos_id=None).response_ids.block_until_ready()
+                finally:
+                    sampler._compiled = real
+            return run
+
         tb = torch.tensor(prompts[:b], device=device)
         tm = torch.ones(tb.shape, device=device, dtype=torch.long)
 
@@ -277,10 +309,24 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
                             max_new_tokens=t_new, min_new_tokens=t_new, use_cache=True, pad_token_id=0)
             sync()
 
-        for impl, fn in (("jaxrlhf", run_ours),) + ((("transformers", run_hf),) if "transformers" in peers else ()):
+        arms = [("jaxrlhf", run_ours, None)]
+        for name, options in (xla_variants or {}).items():
+            arms.append((f"jaxrlhf ({name})", with_options(options), options))
+        arms += [("transformers", run_hf, None)] if "transformers" in peers else []
+        reference = None
+        for impl, fn, options in arms:
             t0 = time.perf_counter()
-            fn()
+            try:
+                fn()
+            except Exception as e:  # an option this backend refuses: recorded, the other arms run
+                out["runs"].append({"impl": impl, "batch": b, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(json.dumps(out["runs"][-1]), flush=True)
+                continue
             first = time.perf_counter() - t0
+            tokens_equal = None
+            if options is not None:
+                reference = reference if reference is not None else np.asarray(with_options(())(jax.random.key(5)))
+                tokens_equal = bool((np.asarray(fn(jax.random.key(5))) == reference).all())
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -289,7 +335,8 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
             med = float(np.median(times))
             out["runs"].append({"impl": impl, "batch": b, "first_call_s": first, "median_s": med,
                                 "times_s": times, "tokens_per_s": b * t_new / med,
-                                "weight_floor_fraction": weight_bytes / (bw_gbs * 1e9) / (med / t_new)})
+                                "weight_floor_fraction": weight_bytes / (bw_gbs * 1e9) / (med / t_new)}
+                               | ({"xla_options": options, "tokens_equal_default": tokens_equal} if options else {}))
             print(json.dumps(out["runs"][-1]), flush=True)
         if "tunix" in peers:
             try:
@@ -347,7 +394,8 @@ def to_markdown(res: dict) -> str:
                   "| B | impl | median s | new tokens/s | weight-streaming floor reached | first call s |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['impl']} | {r['median_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                  f"{r['weight_floor_fraction']:.1%} | {r['first_call_s']:.1f} |" for r in ro["runs"]]
+                  f"{r['weight_floor_fraction']:.1%} | {r['first_call_s']:.1f} |" if "failed" not in r else
+                  f"| {r['batch']} | {r['impl']} | failed: {r['failed'][:120]} | | | |" for r in ro["runs"]]
         lines += [f"- B = {k.rsplit('B', 1)[1]}: jaxrlhf / {k.split('_')[2]} speed = {v:.2f}×"
                   for k, v in ro.items() if k.startswith("speedup_vs_")]
         lines += [f"- Tunix at B = {b} failed: {e}" for b, e in ro.get("tunix_failed", {}).items()]
@@ -375,7 +423,14 @@ def main(argv=None):
                     help="a python with google-tunix: Tunix's sampler in the rollout part (bf16 too)")
     ap.add_argument("--prompts", default=None, help="workload_prompts.json, where it is not in ../shared")
     ap.add_argument("--rollout-batches", type=int, nargs="+", default=None, help="the rollout part's B (8 16 64)")
+    ap.add_argument("--rollout-xla", nargs="+", default=[], metavar="NAME=OPTION:VALUE[;...]",
+                    help="more arms of our sampler, compiled with these XLA options (e.g. "
+                         "cmd_while=xla_gpu_enable_command_buffer:FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL)")
     args = ap.parse_args(argv)
+    try:
+        xla_variants = parse_xla_variants(args.rollout_xla)
+    except ValueError as e:
+        ap.error(str(e))
     if args.tunix_python:
         args.rollout_peers = list(dict.fromkeys(args.rollout_peers + ["tunix"]))
     elif "tunix" in args.rollout_peers:
@@ -410,7 +465,7 @@ def main(argv=None):
         "train": lambda: bench_train(s, peak()),
         "decode": lambda: bench_decode(s, bandwidth()),
         "rollout": lambda: bench_rollout_peer(s, bandwidth(), peers=args.rollout_peers, tunix_python=args.tunix_python,
-                                              prompts_path=args.prompts),
+                                              prompts_path=args.prompts, xla_variants=xla_variants),
         "attention": lambda: bench_attention.run(tiny=args.tiny),
     }
     for name in PARTS:
