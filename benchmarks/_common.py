@@ -7,6 +7,7 @@ processes used while a measurement ran (a contended result is not a valid figure
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -127,6 +128,21 @@ def timed(fn, *, warmup: int, repeats: int, keep_times: bool = False) -> dict:
     if keep_times:
         out["times"] = times
     return out
+
+
+@contextlib.contextmanager
+def sampler_options(options):
+    """Inside the block, `rollout.generate` compiles its programs with these XLA `options`
+    (`(name, value)` pairs) instead of what `models.decode_compiler_options` picks: one
+    benchmark arm's compile options."""
+    from jaxrlhf.rollout import sampler
+
+    real = sampler._compiled
+    sampler._compiled = lambda model, _options=(), **static: real(model, tuple(options), **static)
+    try:
+        yield
+    finally:
+        sampler._compiled = real
 
 
 def peak_rss_mib() -> float:

@@ -71,17 +71,29 @@ def _alternate(arms: dict, args: tuple, repeats: int) -> dict:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+# The SmolLM2-135M layer's projection sizes: hidden, MLP, k/v width (3 heads of 64), layers.
+D, F, KV, LAYERS = 576, 1536, 192, 30
+
+
+def _stack_weights(rng) -> list[dict]:
+    """`LAYERS` dicts of a SmolLM2-shaped layer's seven float32 projection kernels, separate
+    arrays as the unrolled model holds them."""
+    import jax.numpy as jnp
+
+    shapes = dict(q=(D, D), k=(D, KV), v=(D, KV), o=(D, D), gate=(D, F), up=(D, F), down=(F, D))
+    return [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for n, s in shapes.items()}
+            for _ in range(LAYERS)]
+
+
 def chain(rows: list[int], repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
     from jaxrlhf.models import _kernels
 
-    d, f, kv, layers = 576, 1536, 192, 30
+    d = D
     rng = np.random.default_rng(0)
-    shapes = dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, f), up=(d, f), down=(f, d))
-    w32 = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for n, s in shapes.items()}
-           for _ in range(layers)]
+    w32 = _stack_weights(rng)
     w16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), w32)
 
     def stack(bf16: bool):
@@ -120,11 +132,9 @@ def fused(rows: list[int], repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    d, f, kv, layers = 576, 1536, 192, 30
+    d, f, kv = D, F, KV
     rng = np.random.default_rng(0)
-    shapes = dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, f), up=(d, f), down=(f, d))
-    sep = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for n, s in shapes.items()}
-           for _ in range(layers)]
+    sep = _stack_weights(rng)
     cat = [dict(qkv=jnp.concatenate([w["q"], w["k"], w["v"]], 1), o=w["o"],
                 gate_up=jnp.concatenate([w["gate"], w["up"]], 1), down=w["down"]) for w in sep]
 
@@ -173,10 +183,9 @@ def generate_ab(batches: list[int], new_tokens: int, repeats: int) -> list[dict]
     import jax.numpy as jnp
 
     from jaxrlhf.models import _kernels
-    from jaxrlhf.rollout import generate, sampler
+    from jaxrlhf.rollout import generate
 
     prompts = np.asarray(_common.load_workload()["prompts"], np.int32)
-    real = sampler._compiled
     out = []
     cases = [("smollm2", b, 1) for b in batches] + [("workload", 16, 1), ("workload", 16, 2)]
     models = {}
@@ -190,11 +199,8 @@ def generate_ab(batches: list[int], new_tokens: int, repeats: int) -> list[dict]
 
         def arm(options):
             def run(key):
-                sampler._compiled = lambda model, _options=(), **static: real(model, options, **static)
-                try:
+                with _common.sampler_options(options):
                     return generate(model, params, ids, mask, key, max_new_tokens=n, cpu_threads=threads)
-                finally:
-                    sampler._compiled = real
             return run
 
         arms = {"ynnpack": arm(()), "xla": arm(_kernels._CPU_FEW_ROW_OPTIONS)}

@@ -247,7 +247,6 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
     import torch
 
     from jaxrlhf.models import load_pretrained
-    from jaxrlhf.rollout import sampler
 
     hf = _common.hf_llama(seed=0, shape=s.rollout_shape)
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,6 +266,7 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
         rows = np.random.default_rng(0).integers(3, cfg.vocab_size, (16, prompt_len))
         out["prompts"] = "random"
     prompts = np.concatenate([rows] * -(-max(s.rollout_batches) // len(rows)))
+    floor = lambda median_s: weight_bytes / (bw_gbs * 1e9) / (median_s / t_new)  # weight-streaming floor reached
 
     if "transformers" in peers:
         # Greedy agreement, for the record: both compute the model in bf16 with their own kernels,
@@ -285,19 +285,14 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
         mask = jnp.ones(ids.shape, bool)
         keys = iter(jax.random.split(jax.random.key(1), 64))
 
-        def run_ours():
-            generate(model, params, ids, mask, next(keys), max_new_tokens=t_new, eos_id=None).response_ids.block_until_ready()
+        def run_ours(key=None):
+            return generate(model, params, ids, mask, next(keys) if key is None else key, max_new_tokens=t_new,
+                            eos_id=None).response_ids.block_until_ready()
 
         def with_options(options):
-            real = sampler._compiled
-
             def run(key=None):
-                sampler._compiled = lambda model, _options=(), **static: real(model, options, **static)
-                try:
-                    return generate(model, params, ids, mask, next(keys) if key is None else key, max_new_tokens=t_new,
-                                    eos_id=None).response_ids.block_until_ready()
-                finally:
-                    sampler._compiled = real
+                with _common.sampler_options(options):
+                    return run_ours(key)
             return run
 
         tb = torch.tensor(prompts[:b], device=device)
@@ -313,7 +308,6 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
         for name, options in (xla_variants or {}).items():
             arms.append((f"jaxrlhf ({name})", with_options(options), options))
         arms += [("transformers", run_hf, None)] if "transformers" in peers else []
-        reference = None
         for impl, fn, options in arms:
             t0 = time.perf_counter()
             try:
@@ -322,27 +316,19 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
                 out["runs"].append({"impl": impl, "batch": b, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(json.dumps(out["runs"][-1]), flush=True)
                 continue
-            first = time.perf_counter() - t0
-            tokens_equal = None
-            if options is not None:
-                reference = reference if reference is not None else np.asarray(with_options(())(jax.random.key(5)))
-                tokens_equal = bool((np.asarray(fn(jax.random.key(5))) == reference).all())
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            med = float(np.median(times))
-            out["runs"].append({"impl": impl, "batch": b, "first_call_s": first, "median_s": med,
-                                "times_s": times, "tokens_per_s": b * t_new / med,
-                                "weight_floor_fraction": weight_bytes / (bw_gbs * 1e9) / (med / t_new)}
-                               | ({"xla_options": options, "tokens_equal_default": tokens_equal} if options else {}))
-            print(json.dumps(out["runs"][-1]), flush=True)
+            row = {"impl": impl, "batch": b, "first_call_s": time.perf_counter() - t0}
+            if options is not None:  # the default arm's tokens, for a fixed key
+                same = np.asarray(fn(jax.random.key(5))) == np.asarray(run_ours(jax.random.key(5)))
+                row.update(xla_options=options, tokens_equal_default=bool(same.all()))
+            row.update(_common.timed(fn, warmup=0, repeats=repeats, keep_times=True))
+            row.update(tokens_per_s=b * t_new / row["median_s"], weight_floor_fraction=floor(row["median_s"]))
+            out["runs"].append(row)
+            print(json.dumps(row), flush=True)
         if "tunix" in peers:
             try:
                 t = bench_rollout._run_tunix(tunix_python, b, 1, repeats, prompts_path, s.rollout_shape, t_new,
                                              dtype="bfloat16")
-                t["weight_floor_fraction"] = weight_bytes / (bw_gbs * 1e9) / (t["median_s"] / t_new)
+                t["weight_floor_fraction"] = floor(t["median_s"])
                 out["runs"].append(t)
                 print(json.dumps(t), flush=True)
             except Exception as e:  # recorded; our rows and transformers' stand
@@ -350,7 +336,7 @@ def bench_rollout_peer(s: Setup, bw_gbs: float, repeats: int = 2, peers=("transf
                 print(f"tunix at B = {b} failed: {e}", flush=True)
         ours = next(r["median_s"] for r in out["runs"] if r["batch"] == b and r["impl"] == "jaxrlhf")
         for peer in peers:
-            theirs = next((r["median_s"] for r in out["runs"] if r["batch"] == b and r["impl"] == peer), None)
+            theirs = next((r.get("median_s") for r in out["runs"] if r["batch"] == b and r["impl"] == peer), None)
             if theirs is not None:
                 out[f"speedup_vs_{peer}_B{b}"] = theirs / ours
     return out
