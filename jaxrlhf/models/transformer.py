@@ -393,6 +393,7 @@ class Transformer(nn.Module):
             self.lm_logits(hidden, embed)  # create the LM head's params anyway
         return ModelOutput(logits, values, hidden, new_cache)
 
+    @jax.named_scope("lm_head")
     def lm_logits(self, hidden_BxLxD, embed: nn.Embed):
         """The LM head's logits `[B, L, V]` (soft-capped where the config says)."""
         c = self.config
@@ -512,6 +513,7 @@ def scan_layers(config: ModelConfig, layers, x_BxLxD, ropes, mask: AttentionMask
     return (x[:, -1:] if last_position_only else x), cache
 
 
+@jax.named_scope("lm_head")
 def project_logits(config: ModelConfig, params, hidden_BxLxD: jax.Array) -> jax.Array:
     """The LM head applied to final hidden states `[..., D] -> [..., V]`, outside `apply`.
 
@@ -529,6 +531,7 @@ def lm_head_rows(config: ModelConfig, params) -> jax.Array:
     return lm_head_weight(config, params).T  # tied: `embedding.T.T`, which XLA folds to the embedding
 
 
+@jax.named_scope("lm_head")
 def vocab_major_logits(config: ModelConfig, head_VxD: jax.Array, hidden_NxD: jax.Array) -> jax.Array:
     """`[N, V]` logits of a few rows (a decode step) from the `[V, D]` head rows of
     `lm_head_rows`: computed as the `[V, N]` product `head @ hidden.T`, then transposed. The

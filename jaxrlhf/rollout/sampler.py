@@ -160,6 +160,7 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)  # a row with a NaN matches nothing: keep the id valid
 
 
+@jax.named_scope("pick")  # its ops' name in a profile (`benchmarks/profile_decode.py`)
 def _pick(logits_BxV, noise_BxM, temperature, top_k, top_p, banned=None, ban=False):
     """(token [B], log-prob of it under softmax(logits/τ) [B]).
 
