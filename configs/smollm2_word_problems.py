@@ -15,11 +15,11 @@ template with a system prompt asking for "#### <number>"; the reward is the exac
 greedy, on 200 held-out questions.
 
 Measured on 2 CPU cores (float32, the converted Q4_1 checkpoint), held-out greedy exact
-answer before → after 40 GRPO steps (8 questions × 4 samples, ~22 s a step alone on the
-cores): seed 0: 0.445 → 0.805 in 1108 s (the whole run, nearly alone on the cores); seed 1:
-0.445 → 0.800; seed 2: 0.445 → 0.855 (these two shared the cores, so their 1562 s and
-2204 s are not comparable). The sampled reward rose from ~0.3 to ~0.7 while the responses
-shortened from ~40 to ~11–16 tokens: the model learns to state its result and stop instead
+answer before → after 40 GRPO steps (8 questions × 4 samples), 2026-12-06, the sampler's
+two-level draw, each run alone on an AMD EPYC family-25 VM: seed 0: 0.445 → 0.855 in
+1095 s; seed 1: 0.445 → 0.785 in 1135 s; seed 2: 0.445 → 0.845 in 956 s (19–23 s a step,
+a third of it the rollout). The sampled reward rose from ~0.2 to ~0.75 while the responses
+shortened from ~40 to ~13–21 tokens: the model learns to state its result and stop instead
 of rambling past it. More in docs/results.md.
 
 Variants: `:tiny` (a few steps with short generations; tests run it on a tiny random
