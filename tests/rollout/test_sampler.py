@@ -1,6 +1,7 @@
 """The sampler against the model's own full forward pass, transformers, and statistics."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -442,3 +443,14 @@ def test_cache_windows_and_the_vocab_major_head_never_change_a_sample(monkeypatc
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
         else:
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
+
+
+def test_the_decode_loops_ops_are_named_by_their_part():
+    """`benchmarks/profile_decode.py` sums a profile by these names in the ops' `op_name`."""
+    ids, mask = _prompts(np.random.default_rng(18), 2, 5)
+    fn = jax.jit(functools.partial(sampler.sample, MODEL, max_new_tokens=3))
+    hlo = fn.lower(PARAMS, ids, mask, jax.random.key(0)).compile().as_text()
+    in_loop = [n for n in re.findall(r'op_name="([^"]*)"', hlo) if "while/body" in n]
+    for part in ("lm_head", "/pick/", "/q_proj/", "/k_proj/", "/v_proj/", "/o_proj/", "/gate_proj/", "/up_proj/",
+                 "/down_proj/", "self_attn/"):
+        assert any(part in n for n in in_loop), part
