@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import functools
 import glob
 import gzip
 import json
@@ -113,9 +112,10 @@ def main():
             ids = jnp.asarray(np.concatenate([prompts] * (b // len(prompts) + 1))[:b])
             mask = jnp.ones_like(ids, bool)
             options = tuple(decode_compiler_options(b, weight_bytes, sampler.platform_of(params)))
-            fn = jax.jit(functools.partial(sampler.sample, model, max_new_tokens=args.new_tokens),
-                         compiler_options=dict(options) or None)
-            parts = op_parts(fn.lower(params, ids, mask, jax.random.key(0)).compile().as_text())
+            # The program `generate` runs for one row block, compiled once: its text names the ops.
+            fn = sampler._compiled(model, options, max_new_tokens=args.new_tokens).lower(
+                params, ids, mask, jax.random.key(0)).compile()
+            parts = op_parts(fn.as_text())
             jax.block_until_ready(fn(params, ids, mask, jax.random.key(0)))
             start = time.perf_counter()
             jax.block_until_ready(fn(params, ids, mask, jax.random.key(1)))
