@@ -125,6 +125,7 @@ def test_eval_weights_select_rows():
         np.testing.assert_allclose(m_weighted[k], m_head[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.heavy  # bf16 compute: models/test_precision.py
 def test_bf16_compute_path_is_finite():
     model = Transformer(CFG.replace(dtype="bfloat16", param_dtype="float32"))
     tx, _ = common.make_optimizer(common.OptimConfig(lr=1e-3))
@@ -173,6 +174,7 @@ def test_dpo_raises_held_out_preference_accuracy():
     assert after > 0.75 and after > before + 0.25, (before, after)
 
 
+@pytest.mark.heavy  # learning; DPO learning: this file, LoRA steps: models/test_lora.py
 def test_dpo_with_lora_raises_held_out_preference_accuracy():
     """Rank-8 adapters on a fresh model, the base as reference: DPO learns which answer of
     an addition pair is correct (no warm start needed to rank the pairs)."""

@@ -69,7 +69,7 @@ def _grouped(batch: grpo.Batch, g: int) -> grpo.Batch:
     return batch._replace(sequences=seq, attention_mask=attn)
 
 
-@pytest.mark.parametrize("group_size", [1, 4])
+@pytest.mark.parametrize("group_size", [1, pytest.param(4, marks=pytest.mark.heavy)])
 def test_loss_gradient_matches_hand_composed_ops(group_size):
     """Also with each group's prompt run once (`group_size=4`) against the full forward."""
     batch = _grouped(_batch(), 4)
@@ -136,6 +136,7 @@ def test_gspo_sequence_ratio_matches_numpy():
     np.testing.assert_allclose(metrics["clipfrac"], clipped.mean(), atol=1e-6)
 
 
+@pytest.mark.heavy  # bf16 compute: models/test_precision.py
 def test_bf16_compute_path_runs():
     bf16_model = Transformer(dataclasses.replace(CFG, dtype="bfloat16"))
     batch = _batch()

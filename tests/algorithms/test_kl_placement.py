@@ -67,7 +67,7 @@ def _grpo_score(cfg):
     return grpo.score(state, _rollout(), {}, {}, None, model=MODEL, cfg=cfg, reward=REWARD)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k3"])
+@pytest.mark.parametrize("estimator", [pytest.param("k1", marks=pytest.mark.heavy), "k3"])
 def test_grpo_kl_in_the_reward_enters_the_group_advantage(estimator):
     """A_i = (s'_i − mean_g s') / (std_g s' + ε) with s'_i = s_i − β·Σ_t m_t·kl_t."""
     beta = 3.0

@@ -115,6 +115,7 @@ def test_ppo_iteration_with_lora_roles_on_one_base(roles):
     assert new.reward_params is state.reward_params
 
 
+@pytest.mark.heavy  # LoRA export: models/test_lora.py
 def test_lora_reward_model_export_is_merged_and_loads_in_transformers(roles, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

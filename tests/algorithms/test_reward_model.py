@@ -106,6 +106,7 @@ def test_accumulation_4x4_equals_1x16():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-6)
 
 
+@pytest.mark.heavy  # bf16 compute: models/test_precision.py
 def test_bf16_compute_path_is_finite():
     model = Transformer(CFG.replace(dtype="bfloat16", param_dtype="float32"), head="score")
     tx, _ = common.make_optimizer(common.OptimConfig(lr=1e-3))

@@ -79,7 +79,7 @@ def test_chunked_head_step_equals_plain_step(steps):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", ["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.heavy)])
 def test_accumulation_4x4_equals_1x16(steps, mode):
     batch = _batch(np.random.default_rng(1), b=16)
     state = sft.init_state(PARAMS, SGD)
@@ -115,6 +115,7 @@ def test_prompt_len_skips_prompt_logits_without_changing_the_loss():
     np.testing.assert_allclose(skip["token_accuracy"], full["token_accuracy"])
 
 
+@pytest.mark.heavy  # bf16 compute: models/test_precision.py
 def test_bf16_compute_path_is_finite():
     model = Transformer(CFG.replace(dtype="bfloat16", param_dtype="float32"))
     tx, _ = common.make_optimizer(common.OptimConfig(lr=1e-3))

@@ -166,7 +166,7 @@ def _model_batch(seed=0, prompt_lengths=(7, 4, 1), response_lengths=(5, 2, 5), p
     return jnp.asarray(np.where(mask, ids, PAD)), jnp.asarray(mask), p
 
 
-@pytest.mark.parametrize("group_size", [1, 3])
+@pytest.mark.parametrize("group_size", [1, pytest.param(3, marks=pytest.mark.heavy)])
 def test_model_with_chunked_attention_equals_dense(hf_store, group_size):
     """The decoder with `attention="chunked"` gives the dense decoder's log-probs and
     gradients, on the plain path and the shared-prompt path, and samples the same tokens."""

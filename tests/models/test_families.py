@@ -109,7 +109,7 @@ def _all_moved(new, old) -> bool:
     return all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), new, old)))
 
 
-@pytest.mark.parametrize("family, scan", [("gemma2", False), ("gemma3", True)])
+@pytest.mark.parametrize("family, scan", [pytest.param("gemma2", False, marks=pytest.mark.heavy), ("gemma3", True)])
 def test_grpo_update(hf_store, family, scan):
     """A GRPO update on tiny Gemma 2 (soft-capped attention and logits, local and global
     layers) and Gemma 3 as a scanned stack (local and global layers under `lax.cond`,
@@ -132,7 +132,8 @@ def test_grpo_update(hf_store, family, scan):
     assert np.isfinite(float(metrics["loss"])) and _all_moved(state.policy.params, params), metrics
 
 
-@pytest.mark.parametrize("family, scan", [("gemma2", False), ("gemma3", True)])
+@pytest.mark.parametrize("family, scan", [
+    pytest.param("gemma2", False, marks=pytest.mark.heavy), pytest.param("gemma3", True, marks=pytest.mark.heavy)])
 def test_dpo_step(hf_store, family, scan):
     """A DPO step on tiny Gemma 2 and on Gemma 3 as a scanned stack: a finite loss, and
     every parameter moves."""
@@ -152,6 +153,7 @@ def test_dpo_step(hf_store, family, scan):
     assert np.isfinite(float(metrics["loss"])) and bool(metrics["finite"]) and _all_moved(state.params, params)
 
 
+@pytest.mark.heavy  # end to end; Gemma's GRPO/DPO steps: this file
 def test_ppo_with_a_gemma_reward_model(hf_store):
     """RLHF-PPO with every role a Gemma: a Gemma 2 actor with its value head (the critic on
     the shared trunk), its frozen reference, and a Gemma 3 reward model (its

@@ -54,7 +54,7 @@ def _logits(model, params, ids=IDS, mask=None):
     return _forward(model, params, ids, jnp.ones_like(ids) if mask is None else mask)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["unrolled", "scanned"])
 def test_step_zero_adapters_off_and_merged(scan):
     """Fresh adapters (B = 0) and dropped adapters give the base model exactly; merged ones
     (W + s A B) the adapter forward."""

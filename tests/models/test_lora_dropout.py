@@ -70,7 +70,7 @@ def test_projection_dropout_is_inverted_and_on_the_adapter_path_only():
     assert _relative_error(jnp.mean(dropped, axis=0), undropped, base) < 0.1
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["unrolled", "scanned"])
 def test_dropout_only_with_a_key_and_unbiased(scan):
     """Without a key (sampling, scoring, the reference, eval) p > 0 is the undropped model
     exactly. With a key the output changes per key, and its mean over

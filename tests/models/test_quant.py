@@ -59,7 +59,7 @@ def test_nf4_rounds_each_value_to_its_nearest_code_times_the_block_absmax():
     np.testing.assert_allclose(np.asarray(quant.dequantize(q)), nearest * absmax, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.parametrize("kind", [pytest.param("int8", marks=pytest.mark.heavy), "nf4"])
 def test_logits_within_tolerance_of_the_float_model(kind):
     base_model, base, model, params = _setup(kind)
     ref = _logits(base_model, base)

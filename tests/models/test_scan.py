@@ -110,7 +110,7 @@ def test_scanned_equals_unrolled_outputs_and_gradients(head):
     _close(grads_s, stack_layers(grads_u), "gradient", atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.heavy) if p == "offload" else p for p in REMAT_POLICIES if p != "none"])
 def test_remat_policies_give_the_gradients_of_none(policy):
     # The unrolled stack under "full" (`remat=True`) is also checked in test_precision.py.
     for config in (SCAN,) if policy == "full" else (CFG, SCAN):

@@ -84,6 +84,7 @@ def test_with_the_few_row_cpu_options_both_samplers_still_agree(monkeypatch):
     _assert_same(static, cont)
 
 
+@pytest.mark.heavy  # a further stack
 def test_greedy_on_a_sliding_window_stack_with_min_new_tokens_equals_the_static_sampler():
     """Gemma 2's local/global layers (window 3 < prompts of up to 6), soft caps, as a
     scanned stack (one cache for all layers): each slot's window is on its own cache

@@ -101,7 +101,7 @@ def test_sampling_frequencies_match_softmax_over_temperature():
         assert chi2 < bound, (tau, chi2, bound)
 
 
-@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (5, 0.8)])
+@pytest.mark.parametrize("top_k,top_p", [pytest.param(3, 1.0, marks=pytest.mark.heavy), (0, 0.5), (5, 0.8)])
 def test_top_k_top_p_never_emit_excluded_tokens(top_k, top_p):
     ids = np.array([[5, 9, 11], [7, 7, 3]])
     mask = np.ones_like(ids, bool)
@@ -145,7 +145,7 @@ def test_eos_ends_the_mask_and_pads_after():
     np.testing.assert_array_equal(np.asarray(out.attention_mask), np.concatenate([mask, m], 1))
 
 
-@pytest.mark.parametrize("temperature", [3.0, 0.0])
+@pytest.mark.parametrize("temperature", [pytest.param(3.0, marks=pytest.mark.heavy), 0.0])
 def test_min_new_tokens_never_draws_eos_before_it(temperature):
     """The run above with min_new_tokens=5: no EOS among the first 5 tokens, EOS still ends
     responses after them, the log-probs stay the model's (what the trainer recomputes)."""
@@ -274,7 +274,7 @@ def test_a_rows_sample_does_not_depend_on_the_other_rows():
 
 @pytest.mark.parametrize("threads,kw", [
     (2, dict(temperature=1.0, num_samples=3)),
-    (4, dict(temperature=2.5, top_k=9, top_p=0.9, eos_id=4, num_samples=2)),
+    pytest.param(4, dict(temperature=2.5, top_k=9, top_p=0.9, eos_id=4, num_samples=2), marks=pytest.mark.heavy),
 ])
 def test_row_blocks_on_cpu_threads_sample_what_one_program_samples(threads, kw):
     ids, mask = _prompts(np.random.default_rng(16), 4, 6)

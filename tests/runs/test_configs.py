@@ -51,7 +51,9 @@ def _rows(workdir) -> list[dict]:
     return [{k: v for k, v in row.items() if "/time/" not in k} for row in rows]
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem.startswith("addition_")], ids=lambda p: p.stem)
+# addition_grpo and addition_ppo cover every phase kind; the other tiny variants are heavy.
+@pytest.mark.parametrize("path", [p if p.stem in ("addition_grpo", "addition_ppo") else pytest.param(p, marks=pytest.mark.heavy)
+                                  for p in CONFIGS if p.stem.startswith("addition_")], ids=lambda p: p.stem)
 def test_tiny_variant_runs_end_to_end(path, tmp_path, compile_cache_dir):
     """Each algorithm end to end; then the same run stopped like a SIGTERM at step 1 of its
     last phase, left with what a kill -9 while saving step 2 leaves (that step's metrics row,
@@ -148,6 +150,7 @@ def test_hf_checkpoint_config_runs_on_a_tiny_random_checkpoint_and_jsonl(tmp_pat
     assert exported.apply_chat_template(messages, tokenize=False) == "1+2="
 
 
+@pytest.mark.heavy  # end to end
 def test_word_problems_config_runs_on_a_tiny_random_checkpoint(tmp_path):
     """The real-model config's task (generated questions, exact answer + format reward) end
     to end on a tiny checkpoint; without a model path it says what to set."""

@@ -157,6 +157,7 @@ def test_a_bad_row_names_its_file_line_and_field(files, tmp_path):
         build_task(config.task, model_path=str(ckpt))
 
 
+@pytest.mark.heavy  # end to end; each phase from files: this file
 def test_sft_then_reward_model_then_ppo_all_from_files(files, tmp_path):
     """`configs/hf_rlhf_files.py:tiny`, the RLHF pipeline on a user's files: PPO on a
     prompts file, warm-started by SFT on a chats file (`task.sft_path`), scored by a reward

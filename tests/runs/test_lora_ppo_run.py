@@ -24,6 +24,8 @@ import pytest
 
 from jaxrlhf.runs import validation
 
+pytestmark = pytest.mark.heavy  # LoRA PPO end to end; the LoRA PPO iteration also in algorithms/test_ppo_lora.py
+
 REPO = Path(__file__).resolve().parents[2]
 
 

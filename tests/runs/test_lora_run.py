@@ -24,6 +24,8 @@ from _compile_cache import persistent_compile_cache, session_folder  # noqa: E40
 
 from jaxrlhf.runs import train_and_evaluate  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # GRPO with LoRA end to end; LoRA steps also in models/test_lora.py
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 

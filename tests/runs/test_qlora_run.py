@@ -19,6 +19,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compile_cache import cache_env, session_folder  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # QLoRA end to end; the quantised base also in models/test_quant.py
+
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--config.model.lora.rank=4", "--config.model.lora.quantize=nf4", "--config.model.scan_layers=True")
 

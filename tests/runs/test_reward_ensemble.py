@@ -113,6 +113,7 @@ def _train(*args):
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy  # end to end; members and trunk in-process: this file
 def test_ensemble_and_own_trunk_run_end_to_end_and_resume(tmp_path):
     """`--config.reward_model.ensemble=2 --config.reward_model.ensemble_reduce=min
     --config.reward_model.sft_steps=2` through the command line: the trunk's SFT phase and

@@ -110,6 +110,7 @@ def test_completions_decode_their_tokens_and_reach_wandb(files, grpo_run):
     assert len(json.loads(tables[0].read_text())["data"]) == 8
 
 
+@pytest.mark.heavy  # end to end; the GRPO one is not
 def test_ppo_with_the_task_reward_and_the_folders(files, tmp_path):
     """`ppo.reward="task"` + `reward.model_path`: no reward-model phase; the score is the
     task's reward + the folder's."""

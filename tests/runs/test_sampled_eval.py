@@ -106,6 +106,7 @@ def test_addition_final_answer_is_the_text_up_to_eos():
     assert default.answers(ids, mask) == [tuple(tok.encode("95")), None, (data.BOS_ID, *tok.encode("95")), ()]
 
 
+@pytest.mark.heavy  # 8 devices; sharded checks also in parallel/
 @pytest.mark.slow
 def test_sharded_placement_matches_one_device(tmp_path):
     """Mesh fsdp=2 on 2 CPU devices (parameters and prompt rows split, 7 prompts padded to

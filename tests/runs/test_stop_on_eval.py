@@ -234,6 +234,7 @@ def test_pair_metric_names_match_the_eval_steps():
         stopping.eval_metric_names(config, "dpo") - {"accuracy", "reward"})
 
 
+@pytest.mark.heavy  # end to end; the guard: this file in-process
 def test_ppo_end_to_end_stops_and_records_it(tmp_path):
     """The tiny PPO config with the options: its held-out accuracy stays flat (a tie is not
     a new best), so PPO stops after 2 evaluations without a new best; the SFT warm start,

@@ -27,6 +27,8 @@ import _xla
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.heavy  # command-line meshes; sharded = one device also in parallel/ and runs/test_sampled_eval.py
+
 REPO = Path(__file__).resolve().parents[2]
 GRPO = [f"--config={REPO}/configs/addition_grpo.py:tiny"]
 # PPO without the SFT warm start, mid-run evaluations or export: four models, two phases.
