@@ -4,22 +4,18 @@
 
 SFT from scratch, then DPO against the SFT policy as the reference on pairs (correct
 answer vs a corrupted one), with the RPO term (`dpo.nll_coef = 2`: twice the per-token NLL
-of the chosen answers added to the loss) and a cosine learning-rate decay. Reports
-held-out preference accuracy (implicit-reward margin > 0) and held-out greedy exact match
-before and after. Measured 2026-12-02 for seeds 0 / 1 / 2 (`--config.seed`), 45–91 s each on
-2 cores shared with other work:
+of the chosen answers added to the loss) and a cosine learning-rate decay. Plain DPO
+ranks the pairs but pushes the chosen answers' likelihood down too, and greedy exact match
+falls; the NLL term keeps them likely. Reports held-out preference accuracy
+(implicit-reward margin > 0) and held-out greedy exact match before and after.
+
+Measured 2026-12-02 for seeds 0 / 1 / 2 (`--config.seed`), 45–91 s each on 2 cores shared
+with other work:
 
     exact match 0.764 -> 0.872, 0.804 -> 0.878, 0.598 -> 0.824; held-out pair accuracy
     0.954, 0.938, 0.930
 
-Plain DPO (`--config.dpo.nll_coef=0 --config.dpo.optim.schedule=constant`, this config
-before) ranks the pairs (0.890 / 0.846 / 0.850) while exact match falls to 0.554 / 0.530 /
-0.410: the pairs teach that a corrupted answer is worse, and DPO pushes the chosen answers'
-likelihood down too (mean chosen implicit reward < 0; with the NLL term it is > 0). With the
-constant lr 3e-4, NLL weights 0.554 / 0.812 / 0.814 / 0.852 at α = 0 / 0.5 / 1 / 2 for
-seed 0, but seed 1 ended 2–4 points below its SFT point at α = 1 and 2 after being above it
-mid-run; the cosine decay removed that end-of-run swing. The decay without the NLL term
-(`--config.dpo.nll_coef=0`) still lowers it: 0.764 -> 0.736 (seed 0).
+More runs: docs/results.md#addition_dpopy--dpo-with-the-rpo-term
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """

@@ -3,33 +3,29 @@
     python -m jaxrlhf.train --config=configs/addition_grpo.py --workdir=/tmp/addition_grpo
 
 A 0.4M-parameter transformer with a character tokenizer learns "37+58=" -> "95" by an
-SFT phase that stops two thirds of the way through its learning-rate schedule, with the
-policy still wrong on a quarter of held-out sums, then 1,500 GRPO steps raise held-out
-exact match. Each step samples 8 answers for each of 192 prompts and keeps 64 groups,
-those whose answers differ in score first, then the lowest-scoring (DAPO's dynamic
+SFT phase (lr 1e-3) that stops two thirds of the way through its learning-rate schedule,
+with the policy still wrong on a quarter of held-out sums, then 1,500 GRPO steps raise
+held-out exact match. Each step samples 8 answers for each of 192 prompts and keeps 64
+groups, those whose answers differ in score first, then the lowest-scoring (DAPO's dynamic
 sampling: late in the run over 90 % of groups are all right and carry no advantage), and
-adds the negative
-log-likelihood of each kept prompt's reference answer to the loss (`grpo.guide_coef=1`,
-`guide_below=2`, a threshold above every score: SRFT-style guidance, `algorithms.guide`).
-Reward = exact match + 0.5 x fraction of correct answer tokens; lr 3e-4, 10 warm-up steps,
-cosine decay to 0.
+adds the negative log-likelihood of each kept prompt's reference answer to the loss
+(`grpo.guide_coef=1`, `guide_below=2`, a threshold above every score: SRFT-style
+guidance, `algorithms.guide`). Reward = exact match + 0.5 x fraction of correct answer
+tokens (partial credit); lr 3e-4, 10 warm-up steps, cosine decay to 0.
 
-Measured 2026-12-03 (`--config.seed=N`): seeds 0 / 1 / 2 0.738 -> 0.972, 0.778 -> 0.954,
-0.686 -> 0.962 held-out greedy exact match (500 prompts; +23.4, +17.6, +27.6 points), the
-last evaluation of each run. Seed 0 alone on the idle 2-core machine: 542 s wall
-(SFT 0.05 s a step; GRPO 0.31 s a step: rollout of 1,536 answers 38 %, update 59 %). What each
-part is worth (docs/results.md, where the runs are): 300 steps 0.850 / 0.872 / 0.808;
-1,500 steps with dynamic sampling 0.952 / 0.920 / 0.924; guidance as well 0.97 / 0.94-0.95 /
-0.96. The SFT end point moves with the CPU's float rounding (seed 0 gave 0.764 and 0.794
-on other machines). The SFT learning rate is 1e-3: at 3e-3 the SFT end point was bimodal
-(0.12 to 0.94 depending on the seed and even on float rounding).
-Since 2026-12-04 the sampler draws by a two-level Gumbel-max (other tokens for a seed, the
-same distribution; the figures above are from the Gumbel draw over the whole vocabulary
-before it), on an AMD EPYC family-26 VM: seeds 0 / 1 / 2 0.794 -> 0.966, 0.804 -> 0.954,
-0.700 -> 0.968 (+17.2, +15.0, +26.8 points), 179-185 s each (GRPO 0.103-0.105 s a step,
-rollout 36 %).
+Measured 2026-12-04 on an AMD EPYC family-26 VM, with the sampler's two-level Gumbel-max
+draw (`--config.seed=N`; held-out greedy exact match on the 500 test sums, the last
+evaluation of each run): seeds 0 / 1 / 2 0.794 -> 0.966, 0.804 -> 0.954, 0.700 -> 0.968
+(+17.2, +15.0, +26.8 points), 179-185 s each (GRPO 0.103-0.105 s a step, rollout 36 %).
+
+Part of that gain over SFT comes from the supervised guidance term, not from GRPO alone
+(to be filled in with the guide-off measurement):
+With guidance off (--config.grpo.guide_coef=0), measured <DATE>: seeds 0 / 1 / 2 TODO_GUIDE_OFF.
+
 No downloads. The before/after table and sample outputs are printed at the end and saved in
 `summary.json`.
+
+More runs: docs/results.md#addition_grpopy--grpo-the-readmes-main-job
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """

@@ -19,11 +19,9 @@ policy's own pairs; wall time): 0.738 -> 0.770 / 0.760 / 0.764 / 0.790 / 0.780 (
 394 s with SFT and trunk restored), 0.778 -> 0.792 / 0.798 / 0.810 / 0.826 / 0.826 (0.685;
 638 s), 0.686 -> 0.728 / 0.726 / 0.710 / 0.716 / 0.726 (0.719; 627 s). The last
 evaluation, not selected, is +4.2 / +4.8 / +4.0 points above the SFT point (one standard
-error 0.018). Before (reward model from the policy's own trunk at lr 1e-3): the gains were
-within noise (+1.2 / +1.0 / 0.0, selected on the held-out set); the same trunk at lr 1e-3
-did not help either (0.589 on the policy's pairs, PPO within noise): the lower rate keeps
-what the trunk learnt. docs/results.md has every run, and the ensemble
-(`reward_model.ensemble`).
+error 0.018).
+
+More runs: docs/results.md#addition_ppopy--rlhf-ppo-with-a-learned-reward-model
 
 Variants: `:tiny` (a few steps of each phase, for tests; synthetic pairs, no trunk of its own).
 """

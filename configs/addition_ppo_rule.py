@@ -17,9 +17,7 @@ each on 2 cores shared with other work:
     exact match 0.764 -> 0.856, 0.804 -> 0.852, 0.598 -> 0.776 (+9.2, +4.8, +17.8 points);
     training score (the same reward) 1.01 -> 1.20, 1.01 -> 1.23, 0.77 -> 1.06
 
-The first evaluation dips below the SFT point (0.734, 0.760) for seeds 0 and 1, then climbs.
-The same PPO with 100 iterations of 64 prompts at a constant lr 1e-4 left seed 0 where SFT
-left it (0.764).
+More runs: docs/results.md#addition_ppo_rulepy--ppo-critic--gae-on-the-rule-based-reward
 
 Variants: `:tiny` (a few steps of each phase, for tests).
 """

@@ -9,9 +9,9 @@ Rows are JSON objects with "question" and "answer" (the GSM8K solution ending in
 reward is 1 when the response's final answer ("#### x", \\boxed{x} or its last number)
 equals the reference's — computed on the host, between the compiled rollout and update.
 The weights load from safetensors only; the final policy is exported to `workdir/export`.
-The layer stack runs as one scan with each layer rematerialised (`scan_layers`, `remat`):
-on SmolLM2-135M-Instruct (30 layers) that took the first GRPO step from 71 s to 31 s and
-its peak RSS from 7.8 to 6.0 GB (benchmarks/bench_first_step.py, docs/benchmarks.md);
+The layer stack runs as one scan with each layer rematerialised (`scan_layers`, `remat`),
+for a shorter first step (compile) and a lower peak RSS (measured in
+docs/benchmarks.md#first-grpo-step-on-a-real-checkpoint-compile-time-and-peak-rss);
 checkpoints are exported per layer as usual.
 On a 2-core CPU this is for smoke runs only (use `:tiny`); on a GPU/TPU expect the
 held-out exact-answer accuracy to rise over the first few hundred steps.

@@ -20,7 +20,9 @@ two-level draw, each run alone on an AMD EPYC family-25 VM: seed 0: 0.445 → 0.
 1095 s; seed 1: 0.445 → 0.785 in 1135 s; seed 2: 0.445 → 0.845 in 956 s (19–23 s a step,
 a third of it the rollout). The sampled reward rose from ~0.2 to ~0.75 while the responses
 shortened from ~40 to ~13–21 tokens: the model learns to state its result and stop instead
-of rambling past it. More in docs/results.md.
+of rambling past it.
+
+More runs: docs/results.md#smollm2_word_problemspy--grpo-on-a-real-pretrained-chat-model
 
 Variants: `:tiny` (a few steps with short generations; tests run it on a tiny random
 checkpoint).
