@@ -81,7 +81,8 @@ def _rlax_gae(rewards, values, mask):
     import rlax
 
     # rlax's discount_t = γ·m_{t+1} and values with V_T = 0 appended express the same
-    # masked recurrence as SPEC §4 (padding zeroed beforehand, as TRL also does).
+    # masked recurrence as docs/concepts.md#advantages-token-level-or-sequence-level
+    # (padding zeroed beforehand, as TRL also does).
     rewards = jnp.where(mask, rewards, 0.0)
     values = jnp.where(mask, values, 0.0)
     next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)

@@ -15,7 +15,8 @@ sys.path.insert(0, str(DOCS.parent))  # document this checkout, not whichever ja
 PAGES = {
     "ops.md": ("jaxrlhf.ops", "The RL primitives (`jaxrlhf.ops`)",
                "Pure, jit-able functions over response-aligned `[B, T]` arrays; every one computes in float32 "
-               "and accepts `mask` as bool or float. Formulas: [concepts.md](concepts.md)."),
+               "and accepts `mask` as bool or float. Formulas: [concepts.md](concepts.md); the names and keyword "
+               "names below are a stable contract ([concepts.md](concepts.md#the-primitives-api))."),
     "rollout.md": ("jaxrlhf.rollout", "The sampler (`jaxrlhf.rollout`)",
                    "Jitted autoregressive sampling with a static KV cache."),
 }

@@ -2,8 +2,8 @@
 
 XLA:CPU allocates the temporaries of every execution afresh with `malloc`. Under glibc's
 defaults a block of tens of MiB is served by a new `mmap` and unmapped again on `free`,
-so every step first-touches all of its temporaries page by page: on the reference train
-step (WORKLOAD.md measurement 2, [16, 96] tokens, 2-core CPU) that is about 47,000 page
+so every step first-touches all of its temporaries page by page: on the benchmarks' train
+step (`benchmarks/bench_train_step.py`, [16, 96] tokens, 2-core CPU) that is about 47,000 page
 faults (~180 MiB zeroed by the kernel) per step. Keeping freed memory in the heap leaves
 2,300–4,600 and took the step from 0.32–0.35 s to 0.25–0.26 s (median of 20 steps,
 three runs each way).

@@ -1,5 +1,5 @@
-"""Training-health monitor (SPEC §7): the known failure signatures of RLHF-PPO/GRPO runs,
-checked on the per-step metric dicts the algorithms return.
+"""Training-health monitor (docs/concepts.md#what-a-run-shows): the known failure
+signatures of RLHF-PPO/GRPO runs, checked on the per-step metric dicts the algorithms return.
 
     monitor = HealthMonitor(MonitorConfig(kl_target=6.0, clip=0.2))
     for step in range(num_steps):

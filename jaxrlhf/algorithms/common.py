@@ -110,8 +110,8 @@ def response_hidden(model: Transformer, params, sequences_BxL, attention_mask_Bx
     """Hidden states (and scalar-head values) aligned with the response tokens.
 
     Response token `t` sits at `P + t`; the state that predicts it (its logits, and the
-    critic's `V_t` of SPEC §4) is at `P + t − 1`. Returns `(hidden [B, T, D], values [B, T]
-    or None)`.
+    critic's `V_t`, docs/concepts.md#advantages-token-level-or-sequence-level) is at
+    `P + t − 1`. Returns `(hidden [B, T, D], values [B, T] or None)`.
 
     `group_size = G > 1` declares that rows come in groups of G consecutive rows with the
     same prompt (the layout of `num_samples = G` rollouts): each prompt then runs once and

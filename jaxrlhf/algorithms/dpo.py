@@ -12,8 +12,8 @@ The reference never runs inside the train step: `precompute_reference_logprobs` 
 two `ref_*_logp` columns to the whole dataset once. The policy scores chosen and rejected
 in one forward pass over `2B` rows (prompt ⧺ chosen, then prompt ⧺ rejected), running
 each prompt once for both (`common.shared_prompt_hidden`); sequence log-probs are sums
-over response tokens (`ops.sequence_logprobs`) and the loss is `ops.dpo_loss` (SPEC §5:
-sigmoid with label smoothing, ipo, hinge).
+over response tokens (`ops.sequence_logprobs`) and the loss is `ops.dpo_loss` (sigmoid
+with label smoothing, ipo, hinge; docs/concepts.md#preference-losses).
 
     data = precompute_reference_logprobs(model, ref_params, preference_arrays)
     state = init_state(params, tx)

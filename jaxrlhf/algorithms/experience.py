@@ -1,9 +1,9 @@
 """Rollout into training data: sample responses, then score them with forward passes.
 
 Shared by the online algorithms (PPO, GRPO family, RLOO): the sampler draws responses,
-then the rollout policy's own forward pass gives `old_logp` (SPEC §5: recomputed, not
-trusted from the sampler) and the frozen reference gives `ref_logp`. Everything is a pure
-function that can run inside the same jit as the update.
+then the rollout policy's own forward pass gives `old_logp` (recomputed, not trusted from
+the sampler: docs/concepts.md#the-clipped-losses) and the frozen reference gives
+`ref_logp`. Everything is a pure function that can run inside the same jit as the update.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from jaxrlhf.rollout.sampler import SampleOutput, sample
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How responses are drawn; `temperature` also divides the trainer's logits (SPEC §2)."""
+    """How responses are drawn; `temperature` also divides the trainer's logits
+    (docs/concepts.md#shapes-masks-and-the-one-shift)."""
 
     max_new_tokens: int
     temperature: float = 1.0

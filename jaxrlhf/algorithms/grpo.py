@@ -1,8 +1,8 @@
 """The GRPO family as pure functions: GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++.
 
 All of them sample `G` responses per prompt, score them, turn the scores into critic-free
-advantages and take clipped policy-gradient steps (SPEC §4–§6). They differ only in
-options of one `GRPOConfig` (see `preset`):
+advantages and take clipped policy-gradient steps (docs/concepts.md#the-algorithms). They
+differ only in options of one `GRPOConfig` (see `preset`):
 
 - advantage: group-normalised "grpo" (Shao et al. 2024, arXiv:2402.03300), "dr_grpo"
   (no std, Liu et al. 2025, arXiv:2503.20783), leave-one-out "rloo" (Ahmadian et al.

@@ -27,7 +27,8 @@ class GRPOConfig:
         mean of the estimator against it) without putting it in the loss: the health
         monitor's drift check then works for unregularised runs too (one more forward
         pass per step).
-      kl_estimator: "k3" (SPEC §3, the GRPO choice), or "k1" / "k2".
+      kl_estimator: "k3" (the GRPO choice), or "k1" / "k2"
+        (docs/concepts.md#kl-to-the-reference-in-the-reward-or-in-the-loss).
       kl_in: "loss" (`β·agg(kl)` in the loss, `kl_terms.loss_term`) or "reward" (each
         score less `β·Σ_t kl_t` before the advantages, `kl_terms.sequence_reward`).
       kl_target: None for a fixed β; else the target KL (nats per response, the rollout

@@ -1,4 +1,4 @@
-"""RLHF-PPO with four models, as pure functions (SPEC §3–§7).
+"""RLHF-PPO with four models, as pure functions (docs/concepts.md#rlhf-ppo).
 
 Actor (trained, LM head), critic (trained: its own "score"-head `Transformer`, or a value
 head on the actor's trunk, `head="lm_value"`), reference (frozen copy of the starting
@@ -98,7 +98,7 @@ class PPOConfig:
       sampling: how responses are drawn (`max_new_tokens`, temperature τ — which also
         divides the logits of every log-prob —, top-k/p, `eos_id`, `num_samples`).
 
-    KL to the reference (SPEC §3):
+    KL to the reference (docs/concepts.md#kl-to-the-reference-in-the-reward-or-in-the-loss):
       kl_in: "reward" (−β·kl on every token's reward before GAE, `ops.shape_rewards`) or
         "loss" (β·agg(kl) added to the actor loss, `kl_terms.loss_term`; the rewards are
         then the score alone).
@@ -119,9 +119,10 @@ class PPOConfig:
         shift; this option normalises the *scores* (OpenRLHF's `normalize_reward`).
       reward_clip: c > 0 clips scores to [−c, c] (after whitening), or None.
 
-    Advantages (SPEC §4): gamma, lam (GAE); whiten_advantages (`ops.whiten`, with mean).
+    Advantages (docs/concepts.md#advantages-token-level-or-sequence-level):
+      gamma, lam (GAE); whiten_advantages (`ops.whiten`, with mean).
 
-    Loss (SPEC §5):
+    Loss (docs/concepts.md#the-clipped-losses):
       clip: ε (ε_low); clip_high: ε_high (None = ε); dual_clip: c > 1 or None.
       vf_clip: ε_v of the clipped value loss, None = no clipping. vf_coef: c_v.
       ent_coef: c_ent ≥ 0 of the entropy bonus.
@@ -503,7 +504,8 @@ def make_iteration(
     time_split=True: rollout, scoring (reward, old/ref log-probs, values, shaping, GAE) and
       the K epochs run as three jitted programs, each waited for (`timing.run_split`), and
       the metrics report their times: `time/rollout_s`, `time/scoring_s`, `time/update_s`,
-      `time/tokens_per_s`, `time/step_tokens_per_s` (the time split of SPEC §7).
+      `time/tokens_per_s`, `time/step_tokens_per_s` (the time split,
+      docs/concepts.md#what-a-run-shows).
       time_split=False: with a pure-JAX reward the whole iteration is ONE jitted program and
       reports no times. The results are the same either way (float rounding aside). Called
       inside the caller's own jit (traced arguments) the iteration is the fused one, untimed.

@@ -1,4 +1,4 @@
-"""PPO's rollout side, from the sampled sequences to the training batch (SPEC §3–§4, §7):
+"""PPO's rollout side, from the sampled sequences to the training batch (docs/concepts.md#rlhf-ppo):
 
     score_rollout       old logp (actor), ref logp (reference), values (critic or the
                         actor's value head), the reward's total of its components' scores
@@ -156,7 +156,7 @@ def compute_advantages(
     beta: float | jax.Array,
     cfg: PPOConfig,
 ) -> Advantages:
-    """SPEC §3–§4 composed from ops, nothing else:
+    """The KL-shaped rewards and GAE (docs/concepts.md#rlhf-ppo) composed from ops, nothing else:
 
         kl = ops.kl(old_logp, ref_logp, estimator)
         r  = ops.shape_rewards(scores, kl, mask, β)        (−β·kl every token, + score last;
@@ -173,7 +173,7 @@ def compute_advantages(
 
 
 def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cfg: PPOConfig) -> dict:
-    """SPEC §7 rollout-side metrics (all float32 scalars)."""
+    """Rollout-side metrics (docs/concepts.md#what-a-run-shows; all float32 scalars)."""
     mask = roll.response_mask
     length = jnp.sum(mask, axis=1).astype(jnp.float32)
     k1 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k1")

@@ -10,7 +10,7 @@ A batch is a `data.preference_batch` (the same layout as DPO's, without referenc
 The score of a sequence is the score head's scalar at the last valid token of
 prompt ⧺ response (`models.score_at_last_token`); chosen and rejected go through one
 forward pass of `2B` rows; the loss is `ops.reward_model_loss` = mean of
-`−log σ(s_c − s_r − margin)` (SPEC §5).
+`−log σ(s_c − s_r − margin)` (docs/concepts.md#preference-losses).
 
     model, params = init_from_policy(policy_model, policy_params)   # trunk copied, new head
     state = init_state(params, tx)

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: masked cross-entropy on the response tokens only (SPEC §6).
+"""Supervised fine-tuning: masked cross-entropy on the response tokens only.
 
 A batch is one joined sequence per row (`data.sft_batch`, `data.sft_arrays`):
 
@@ -6,7 +6,8 @@ A batch is one joined sequence per row (`data.sft_batch`, `data.sft_arrays`):
     input_mask  [B, L]  1 on real tokens (attention)
     loss_mask   [B, L]  1 exactly on the tokens to learn (the response, EOS included)
 
-Token `tokens[:, i]` is predicted by the logits at `i − 1` (SPEC §2); the shift lives in
+Token `tokens[:, i]` is predicted by the logits at `i − 1`
+(docs/concepts.md#shapes-masks-and-the-one-shift); the shift lives in
 `common.response_hidden`. Only positions `i ≥ cfg.prompt_len` can carry loss, and the LM
 head is applied to those `L − prompt_len` positions only: with the default `prompt_len=1`
 every token after the first may be a target; set it to the (left-padded) prompt width `P`

@@ -1,5 +1,5 @@
-"""Where an RL step's time goes (SPEC §7): the metric names, and the step run as three
-timed programs.
+"""Where an RL step's time goes (docs/concepts.md#what-a-run-shows): the metric names, and
+the step run as three timed programs.
 
 An RL step is `rollout` (sampling), `score` (the reward and the forward passes the update
 needs: old / reference log-probs, values, advantages) and `train` (the gradient steps).

@@ -1,9 +1,10 @@
 """Padding ragged token lists into fixed-shape numpy batches, and a resumable shuffled reader.
 
-Layout (SPEC §1): prompts LEFT-padded to P, so every prompt ends at column P - 1 and
-generation continues from the same column for the whole batch; responses RIGHT-padded to
-T, so valid response tokens are a contiguous prefix. Ids are int32, masks bool (1 = real
-token). Fixed P and T keep one compiled program for every batch.
+Layout (docs/concepts.md#shapes-masks-and-the-one-shift): prompts LEFT-padded to P, so
+every prompt ends at column P - 1 and generation continues from the same column for the
+whole batch; responses RIGHT-padded to T, so valid response tokens are a contiguous prefix.
+Ids are int32, masks bool (1 = real token). Fixed P and T keep one compiled program for
+every batch.
 
 `BatchIterator` yields the example indices of this process's share of each global batch;
 its `position` ({"epoch", "index"}) goes into a checkpoint and restores the stream exactly.
@@ -105,7 +106,7 @@ def sft_batch(
         with `response_loss` (one 0/1 flag per answer token, e.g. a chat's assistant turns
         only, `eos_id=None`) only on the flagged ones.
 
-    The loss at position i predicts tokens[:, i] from logits at i - 1 (SPEC §2): apply
+    The loss at position i predicts tokens[:, i] from logits at i - 1: apply
     `loss_mask[:, 1:]` to the logits `[:, :-1]`.
     """
     batch = prompt_response_batch(

@@ -6,9 +6,9 @@ run on device inside a rollout step; `exact_match` and `token_match_fraction` ar
 independent host-side (numpy, loop) versions with the same definition, used as the
 reference in tests and for evaluation on host.
 
-Layout (SPEC §1): responses right-padded, `response_mask` 1 on real tokens (EOS
-included), a contiguous prefix; answers likewise right-padded with `answer_mask`,
-WITHOUT EOS. Masks may be bool or numeric.
+Layout (docs/concepts.md#shapes-masks-and-the-one-shift): responses right-padded,
+`response_mask` 1 on real tokens (EOS included), a contiguous prefix; answers likewise
+right-padded with `answer_mask`, WITHOUT EOS. Masks may be bool or numeric.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ Shapes: `B` sequences, `T` response length (right-padded), `V` vocabulary, `N = 
 grouped sequences. `mask` `[B, T]` (bool or float) is 1 on real response tokens, a
 contiguous prefix; padding never changes a result. Every function computes in float32
 whatever its input dtype (`linear_logprobs` runs its matmul in the inputs' dtype). The
-formulas are fixed by the project's SPEC (§1–5), and the names, order and defaults of the
-SPEC §8 arguments are kept; arguments beyond SPEC (gae's `method`, entropy's `chunk_size`)
-are keyword-only. `linear_logprobs` is SPEC §2's log-prob and entropy with the LM head
-fused in, for vocabularies too large for `[B, T, V]`.
+formulas are those of docs/concepts.md; the public names, keyword names, argument order and
+defaults are a stable contract (docs/concepts.md#the-primitives-api), and arguments added
+beyond them (gae's `method`, entropy's `chunk_size`) are keyword-only. `linear_logprobs` is
+the log-prob and entropy of `token_logprobs` / `entropy` with the LM head fused in, for
+vocabularies too large for `[B, T, V]`.
 
     logp = ops.token_logprobs(ops.shift_logits_for_response(logits, P), response)
     logp = ops.linear_logprobs(hidden, w_head, response).logp   # same, no [B, T, V] logits
@@ -35,25 +36,25 @@ from jaxrlhf.ops._losses import dpo_loss, policy_loss, reward_model_loss, value_
 from jaxrlhf.ops._masked import AGGREGATE_MODES, aggregate, masked_mean, masked_sum, masked_var
 
 __all__ = [
-    # log-probabilities (SPEC §2)
+    # log-probabilities
     "token_logprobs",
     "entropy",
     "sequence_logprobs",
     "shift_logits_for_response",
     "LinearLogprobs",
     "linear_logprobs",
-    # KL (SPEC §3)
+    # KL to the reference
     "KL_ESTIMATORS",
     "kl",
     "approx_kl",
     "shape_rewards",
-    # advantages (SPEC §4)
+    # advantages
     "GAEOutput",
     "gae",
     "whiten",
     "group_advantages",
     "broadcast_sequence",
-    # losses and aggregation (SPEC §5)
+    # losses and aggregation
     "AGGREGATE_MODES",
     "aggregate",
     "policy_loss",

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, group-relative baselines, whitening (SPEC §4)."""
+"""Advantage estimators: GAE, group-relative baselines, whitening
+(docs/concepts.md#advantages-token-level-or-sequence-level)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def gae(
     Args:
       rewards: `[B, T]` response-aligned per-token rewards (e.g. `shape_rewards`).
       values: `[B, T]` critic values `V_t` of the state that predicts `y_t`.
-      mask: `[B, T]` bool or float; valid tokens are a contiguous prefix (SPEC §1),
+      mask: `[B, T]` bool or float; valid tokens are a contiguous prefix,
         though any mask gets the recurrence above.
       gamma: discount γ.
       lam: GAE λ.
@@ -164,7 +165,7 @@ def gae(
         return jnp.where(mask, solve(delta.T, (decay * next_mask).T).T, 0.0)
 
     if method == "blocked":
-        # The fast form assumes the SPEC §1 prefix mask; any other mask takes the exact
+        # The fast form assumes a contiguous prefix mask; any other mask takes the exact
         # scan, so the result never depends on the method. (Under vmap both run.) With a
         # prefix mask δ is exactly 0 on padding, so the blocked sums are too: no masking
         # pass. The check is a max over uint8 rises 0 → 1: on XLA:CPU it stays one loop,

@@ -1,4 +1,5 @@
-"""KL estimators and KL-in-the-reward shaping (SPEC §3).
+"""KL estimators and KL-in-the-reward shaping
+(docs/concepts.md#kl-to-the-reference-in-the-reward-or-in-the-loss).
 
 Estimators follow J. Schulman, "Approximating KL Divergence" (2020): with samples from π
 and `d = log π − log ref`, `k1 = d`, `k2 = d²/2`, `k3 = exp(−d) − 1 + d`.

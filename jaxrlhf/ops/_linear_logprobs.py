@@ -1,4 +1,5 @@
-"""Token log-probs and entropies straight from hidden states: the LM head fused in (SPEC §2).
+"""Token log-probs and entropies straight from hidden states: the LM head fused in
+(docs/concepts.md#shapes-masks-and-the-one-shift).
 
 `token_logprobs(h @ W, y)` holds the `[B, T, V]` logits, and under `grad` their cotangent
 too; at real sizes (V = 152k, T = 4k) that is most of a training step's memory.
@@ -292,7 +293,7 @@ def linear_logprobs(
         response-aligned), float32 or bf16.
       w: `[D, V]` the LM head, same dtype as `hidden`.
       targets: `[B, T]` integer token ids in `[0, V)`.
-      temperature: `τ > 0`, a Python float or a traced scalar (SPEC §2).
+      temperature: `τ > 0`, a Python float or a traced scalar.
       with_entropy: also return the entropies.
       with_argmax: also return the greedy token `argmax_v z_v` (the first on ties), e.g.
         for a token accuracy; it costs one more reduction per block.

@@ -1,4 +1,5 @@
-"""Token log-probabilities and entropies from logits (SPEC §2).
+"""Token log-probabilities and entropies from logits
+(docs/concepts.md#shapes-masks-and-the-one-shift).
 
 For a large vocabulary the `[B, T, V]` logits dominate memory, so neither function may
 materialise a float32 `[B, T, V]` array in its forward pass: a log-prob is the gathered
@@ -123,7 +124,7 @@ def token_logprobs(
         logp[b, t] = logits[b, t, y]/τ − logsumexp_v(logits[b, t, v]/τ),   y = targets[b, t]
 
     `logits` must already be aligned with `targets` (see `shift_logits_for_response`), and
-    the same temperature as the sampler's must be used everywhere (SPEC §2). No float32
+    the same temperature as the sampler's must be used everywhere. No float32
     `[B, T, V]` array is created, for float32 or bf16 logits (see the module docstring).
 
     Args:
@@ -162,7 +163,7 @@ def entropy(
 
     Args:
       logits: `[B, T, V]` response-aligned logits, any float dtype (float32 math).
-      temperature: `τ > 0`, the sampling temperature (SPEC §2).
+      temperature: `τ > 0`, the sampling temperature.
       chunk_size: response positions processed at once; `None` picks the largest chunk
         of at most 2**26 logits (256 MiB as float32; 55 positions at B=8, V=151,936, one
         piece for small vocabularies). In one piece XLA fuses the forward pass with no
@@ -194,14 +195,15 @@ def entropy(
 
 
 def shift_logits_for_response(logits: jax.Array, prompt_len: int) -> jax.Array:
-    """Slices full-sequence outputs to the response axis (the SPEC §2 shift).
+    """Slices full-sequence outputs to the response axis (the shift,
+    docs/concepts.md#shapes-masks-and-the-one-shift).
 
     For a sequence `s = prompt ⧺ response` of length `L = P + T`, the output at position
     `i` predicts `s[i + 1]`. Response token `t` sits at `P + t`, so it is predicted at
     `P + t − 1`: the response-aligned outputs are positions `P − 1 … L − 2`.
 
     The same shift applies to per-position critic values `[B, L]` (the value of the state
-    whose logits predict `y_t`, SPEC §4), which is why any trailing axes are allowed.
+    whose logits predict `y_t`), which is why any trailing axes are allowed.
 
     Args:
       logits: `[B, L, ...]` outputs over the whole sequence (e.g. `[B, L, V]` logits).
@@ -225,7 +227,8 @@ def shift_logits_for_response(logits: jax.Array, prompt_len: int) -> jax.Array:
 
 
 def sequence_logprobs(logp: jax.Array, mask: jax.Array) -> jax.Array:
-    """Log-probability of each whole response: `Σ_t m_t · logp_t` (used by DPO, SPEC §5).
+    """Log-probability of each whole response: `Σ_t m_t · logp_t` (used by DPO,
+    docs/concepts.md#preference-losses).
 
     Args:
       logp: `[B, T]` response-aligned token log-probs.

@@ -1,7 +1,8 @@
-"""Policy, value, preference and reward-model losses (SPEC §5).
+"""Policy, value, preference and reward-model losses (docs/concepts.md#the-clipped-losses,
+docs/concepts.md#preference-losses).
 
 Each loss returns `(loss, metrics)`: a float32 scalar to differentiate and a dict of float32
-scalar diagnostics (SPEC §7). The dict's keys depend only on static arguments.
+scalar diagnostics. The dict's keys depend only on static arguments.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def aggregate(
     mode: str = "token-mean",
     norm_len: int | float | jax.Array | None = None,
 ) -> jax.Array:
-    """Reduces a per-token loss to a scalar (SPEC §5 "Aggregation").
+    """Reduces a per-token loss to a scalar (docs/concepts.md#aggregation-what-long-answers-weigh).
 
     With `m` the mask:
 

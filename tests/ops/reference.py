@@ -1,8 +1,9 @@
-"""Float64 NumPy references for `jaxrlhf.ops`, written from SPEC §2–5 with explicit loops.
+"""Float64 NumPy references for `jaxrlhf.ops`, written from docs/concepts.md with explicit
+loops.
 
 Deliberately naive and independent of the implementation: python loops over `b` and `t`,
-`math` for scalars, and the SPEC formulas read literally. Masks are 0/1 and valid tokens a
-contiguous prefix of length `len_b = Σ_t mask[b, t]`.
+`math` for scalars, and the formulas of docs/concepts.md read literally. Masks are 0/1 and
+valid tokens a contiguous prefix of length `len_b = Σ_t mask[b, t]`.
 """
 
 import math

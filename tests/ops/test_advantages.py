@@ -76,7 +76,7 @@ def test_blocked_gae_over_several_blocks_matches_reference(traced):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_gae_masks_with_holes_follow_the_formula(method):
-    # SPEC §1 promises prefix masks, but a mask with holes must still give SPEC §4's
+    # Masks are promised to be contiguous prefixes, but a mask with holes must still give GAE's
     # recurrence (the decay γλ·m_{t+1} cuts at every hole), whatever the method.
     rewards, values, mask = _rewards_values(5)
     mask[:, 0] = True

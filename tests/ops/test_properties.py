@@ -1,4 +1,5 @@
-"""Properties every masked primitive must have (SPEC §1, §8).
+"""Properties every masked primitive must have (docs/concepts.md#shapes-masks-and-the-one-shift,
+docs/concepts.md#the-primitives-api).
 
 For each function of `[B, T]` response-aligned inputs and a mask: extra right-padding with
 garbage changes nothing; jit equals eager; vmap over an extra leading axis equals a loop;

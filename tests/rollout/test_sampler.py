@@ -69,7 +69,8 @@ def test_sampler_logprobs_equal_trainer_token_logprobs(temperature):
     out = generate(MODEL, PARAMS, ids, mask, jax.random.key(3), max_new_tokens=6, temperature=temperature,
                    num_samples=2)
     logits = _full_logits(out.sequences, out.attention_mask)
-    # Response token t sits at P + t and is predicted by the logits at P + t - 1 (SPEC §2).
+    # Response token t sits at P + t and is predicted by the logits at P + t - 1
+    # (docs/concepts.md#shapes-masks-and-the-one-shift).
     p = ids.shape[1]
     trainer = ops.token_logprobs(logits[:, p - 1:-1], out.response_ids, temperature=temperature)
     m = np.asarray(out.response_mask)
