@@ -36,11 +36,15 @@ DOCS_MENTION = re.compile(r"(?<![\w-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
 
 @functools.cache
 def tracked_files() -> tuple[str, ...]:
+    """The repository's files: git's list, or (no git checkout) every file outside hidden
+    folders, caches and build metadata."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+        names = out.decode().split("\0")
     except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    return tuple(p for p in out.decode().split("\0") if p and (REPO / p).is_file())
+        skip = lambda parts: any(p.startswith(".") or p == "__pycache__" or p.endswith(".egg-info") for p in parts)
+        names = [p.relative_to(REPO).as_posix() for p in REPO.rglob("*") if not skip(p.relative_to(REPO).parts)]
+    return tuple(p for p in names if p and (REPO / p).is_file())
 
 
 def _outside_fences(text: str) -> list[tuple[int, str]]:
