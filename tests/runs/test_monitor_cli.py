@@ -2,6 +2,7 @@
 (learning rate far too high, β = 0, a reward that also pays for length) logs the matching
 warnings, and a healthy tiny run logs none."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -18,6 +19,10 @@ BROKEN = ["--config.sft.steps=300", "--config.sft.batch_size=64", "--config.grpo
           "--config.grpo.optim.schedule=constant", "--config.grpo.optim.warmup_steps=0", "--config.grpo.optim.lr=3e-3",
           "--config.task.length_bonus=1.0", "--config.grpo.sampling.max_new_tokens=8", "--config.train.monitor.kl_target=0.01",
           "--config.train.monitor.length_window=6"]
+# the same run and thresholds with the task's own reward and a learning rate 100x lower (at the
+# config's 3e-4 this tiny policy drifts past 3 x kl_target within a few steps)
+HEALTHY = [o for o in BROKEN if not o.startswith(("--config.grpo.optim.lr=", "--config.task.length_bonus="))] + [
+    "--config.grpo.optim.lr=3e-5"]
 
 
 def _train(tmp_path, *overrides):
@@ -36,3 +41,15 @@ def test_broken_run_logs_the_matching_warnings(tmp_path):
     log = _train(tmp_path, *BROKEN)
     assert "[kl]" in log, log[-3000:]              # drift from the reference, measured with β = 0
     assert "[length_hacking]" in log, log[-3000:]  # the reward pays for length, and length grows
+
+
+@pytest.mark.slow
+def test_healthy_run_logs_none(tmp_path):
+    log = _train(tmp_path, *HEALTHY)
+    train_log = (tmp_path / "run" / "train.log").read_text()
+    for text in (log, train_log):
+        assert "jaxrlhf.monitor" not in text, text[-3000:]
+    # the monitor had something to check: the KL to the reference, measured with β = 0 (track_kl)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["grpo/kl"] for r in rows if "grpo/kl" in r]
+    assert len(kls) >= 10 and max(kls) < 0.03, kls
