@@ -1,4 +1,4 @@
-"""What every benchmark on the reference workload (../shared/WORKLOAD.md) shares.
+"""What every benchmark on the reference workload (docs/benchmarks.md#the-reference-workload) shares.
 
 The tiny Llama of the workload for both frameworks, the prompt/train-batch token ids,
 a min/median/max timer, peak RSS, and a CPU watch that records how much CPU *other*
@@ -27,9 +27,10 @@ if str(REPO) not in sys.path:
 from jaxrlhf.host_allocator import ENV_VAR, tune_host_allocator  # noqa: E402
 
 HOST_ALLOCATOR_TUNED = tune_host_allocator(os.environ.get(ENV_VAR, "reuse"))
-WORKLOAD_CANDIDATES = [REPO.parent / "shared" / "workload_prompts.json", REPO / "shared" / "workload_prompts.json"]
+# The workload's prompt and train-batch token ids (keys `prompts`, `train_batch`), beside this file.
+WORKLOAD_PROMPTS = Path(__file__).resolve().parent / "workload_prompts.json"
 
-# WORKLOAD.md "Model" table.
+# The reference workload's model table (docs/benchmarks.md#the-reference-workload).
 LLAMA = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
              rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
@@ -43,12 +44,12 @@ SHAPES = {"workload": {}, "smollm2": dict(vocab_size=49152, hidden_size=576, int
 
 
 def load_workload(path: str | None = None) -> dict:
-    """`{"prompts": [[...]], "train_batch": [[...]]}` token ids from workload_prompts.json."""
-    candidates = [Path(path)] if path else WORKLOAD_CANDIDATES
-    for p in candidates:
-        if p.exists():
-            return json.loads(p.read_text())
-    raise FileNotFoundError(f"workload_prompts.json not found in {[str(c) for c in candidates]}; pass --prompts")
+    """`{"prompts": [[...]], "train_batch": [[...]]}` token ids from `path`, by default
+    benchmarks/workload_prompts.json (`WORKLOAD_PROMPTS`)."""
+    p = Path(path) if path else WORKLOAD_PROMPTS
+    if not p.exists():
+        raise FileNotFoundError(f"workload_prompts.json not found at {p}; pass --prompts")
+    return json.loads(p.read_text())
 
 
 def token_fraction_reward(target: int, name: str):
@@ -93,9 +94,9 @@ def hf_llama(seed: int = 0, cls_name: str = "LlamaForCausalLM", shape: str = "wo
 
 
 def word_tokenizer(padding_side: str = "right", vocab_size: int = 512):
-    """WORKLOAD.md tokenizer for the trainers that want text: word level, `"t17 t300"` <->
-    `[17, 300]`, ids 0..3 are `<pad> <bos> <eos> <unk>`, no special tokens added; `vocab_size`
-    ids in all (a larger model's vocabulary: every id it can sample decodes)."""
+    """The reference workload's tokenizer for the trainers that want text: word level,
+    `"t17 t300"` <-> `[17, 300]`, ids 0..3 are `<pad> <bos> <eos> <unk>`, no special tokens
+    added; `vocab_size` ids in all (a larger model's vocabulary: every id it can sample decodes)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

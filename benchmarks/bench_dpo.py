@@ -1,7 +1,7 @@
 """DPO step benchmark: jaxrlhf vs TRL's DPOTrainer (and a hand-written PyTorch step, and Tunix's DPOTrainer).
 
-The reference workload's tiny Llama (../shared/WORKLOAD.md: vocab 512, hidden 256,
-intermediate 688, 4 layers, 4/2 heads, head_dim 64, float32), random init with
+The reference workload's tiny Llama (docs/benchmarks.md#the-reference-workload: vocab 512,
+hidden 256, intermediate 688, 4 layers, 4/2 heads, head_dim 64, float32), random init with
 `torch.manual_seed(0)`, saved with `save_pretrained` and read by every side, so all start
 from identical weights (the first loss is then ln 2 = 0.6931 everywhere: policy = reference).
 
@@ -268,7 +268,7 @@ def _markdown(r: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps (a smoke run, not a result)")

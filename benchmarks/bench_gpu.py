@@ -407,7 +407,7 @@ def main(argv=None):
                     help="the rollout part's peers")
     ap.add_argument("--tunix-python", default=None,
                     help="a python with google-tunix: Tunix's sampler in the rollout part (bf16 too)")
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json, where it is not in ../shared")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--rollout-batches", type=int, nargs="+", default=None, help="the rollout part's B (8 16 64)")
     ap.add_argument("--rollout-xla", nargs="+", default=[], metavar="NAME=OPTION:VALUE[;...]",
                     help="more arms of our sampler, compiled with these XLA options (e.g. "

@@ -1,8 +1,9 @@
 """GRPO step benchmark: jaxrlhf vs TRL's GRPOTrainer (PyTorch), in one process (and Tunix's GRPOLearner).
 
-WORKLOAD.md measurement 3: a tiny random-init Llama (vocab 512, hidden 256, intermediate
-688, 4 layers, 4/2 heads, head_dim 64, float32); per step 2 prompts (32 tokens, from the
-64 `prompts` of workload_prompts.json, shuffled with seed 0) × 8 generations of exactly 64
+The reference workload, measurement 3 (docs/benchmarks.md#the-reference-workload): a tiny
+random-init Llama (vocab 512, hidden 256, intermediate 688, 4 layers, 4/2 heads, head_dim 64,
+float32); per step 2 prompts (32 tokens, from the 64 `prompts` of
+benchmarks/workload_prompts.json, shuffled with seed 0) × 8 generations of exactly 64
 new tokens (τ = 1, no top-k / top-p, no EOS); reward = fraction of completion tokens equal
 to id 7; advantages (r − mean_group)/(std_group + 1e-4); loss "dapo" (token mean over the
 batch), clip 0.2, β = 0, μ = 1; AdamW lr 1e-6 decayed linearly to 0 over the run,
@@ -235,7 +236,7 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps (a smoke run, not a result)")
@@ -257,7 +258,7 @@ def main(argv=None):
     if args.quick:
         args.warmup, args.steps = 1, 2
     elif args.steps < 6:
-        ap.error("--steps must be >= 6 (WORKLOAD.md protocol); use --quick for a smoke run")
+        ap.error("--steps must be >= 6 (the reference workload's protocol); use --quick for a smoke run")
     sys.path.insert(0, str(_common.REPO))
 
     t_start = time.perf_counter()
@@ -321,7 +322,7 @@ def main(argv=None):
         versions["tunix"] = results["tunix"]["versions"]["tunix"]
         versions["jax_tunix_env"] = results["tunix"]["versions"]["jax"]
     result = dict(
-        workload="WORKLOAD.md measurement 3 (GRPO step)", shape=args.shape, params=n_params, results=results,
+        workload="reference workload, measurement 3 (GRPO step)", shape=args.shape, params=n_params, results=results,
         errors=errors,
         quick=args.quick, warmup=args.warmup, steps=args.steps, peak_rss_mib=_common.peak_rss_mib(),
         peak_rss_note=f"whole process, frameworks run: {args.framework}"

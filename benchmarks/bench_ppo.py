@@ -1,4 +1,6 @@
-"""WORKLOAD.md measurement 4: seconds per RLHF-PPO update, jaxrlhf vs TRL's PPOTrainer.
+"""Reference workload, measurement 4: seconds per RLHF-PPO update, jaxrlhf vs TRL's PPOTrainer.
+
+The workload: docs/benchmarks.md#the-reference-workload.
 
     python benchmarks/bench_ppo.py                  # 4 and 1 PPO epochs, both frameworks
     python benchmarks/bench_ppo.py --quick          # fewer repeats
@@ -181,7 +183,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="1 warm-up + 2 timed updates (TRL: 1 + 1); default 1 + 6 for both")
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default ../shared/)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--epochs", type=int, nargs="+", default=[4, 1])
     ap.add_argument("--skip-trl", action="store_true")
@@ -201,7 +203,7 @@ def main():
 
     import jax
 
-    results = {"workload": "measurement 4", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    results = {"workload": "reference workload, measurement 4", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
                "quick": args.quick, "runs": []}
     for k in args.epochs:
@@ -211,7 +213,7 @@ def main():
     results["peak_rss_mib_jaxrlhf_process"] = _common.peak_rss_mib()
 
     contended = any(r.get("contended") for r in results["runs"])
-    print(f"PPO update (WORKLOAD measurement 4){' — CONTENDED machine, not valid timings' if contended else ''}\n")
+    print(f"PPO update (reference workload, measurement 4){' — CONTENDED machine, not valid timings' if contended else ''}\n")
     print("| epochs | impl | median s/update | min s | max s | first call s | others' cores |")
     print("|---|---|---|---|---|---|---|")
     for r in results["runs"]:

@@ -1,4 +1,6 @@
-"""WORKLOAD.md measurement 1: new tokens/s of sampling, jaxrlhf vs transformers `generate`.
+"""Reference workload, measurement 1: new tokens/s of sampling, jaxrlhf vs transformers `generate`.
+
+The workload: docs/benchmarks.md#the-reference-workload.
 
     python benchmarks/bench_rollout.py            # B = 16 and B = 64, both frameworks
     python benchmarks/bench_rollout.py --quick    # fewer repeats
@@ -108,7 +110,7 @@ def main():
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     bf16_bytes = sum(x.nbytes for x in jax.tree.leaves(bf16[1])) if bf16 is not None else 0
-    results = {"workload": "measurement 1" if args.shape == "workload" else f"{args.shape}-shaped model",
+    results = {"workload": "reference workload, measurement 1" if args.shape == "workload" else f"{args.shape}-shaped model",
                "shape": args.shape, "new_tokens": new_tokens, "weight_bytes": weight_bytes,
                "bandwidth_gb_s": _bandwidth_gb_s(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "machine": platform.processor() or platform.machine(), "jax": jax.__version__,

@@ -3,7 +3,7 @@ update; `algorithms.timing.run_split`) against the same step as one fused progra
 
 Two measurements, side by side in one run:
 
-- the reference workload's steps (../shared/WORKLOAD.md, random init): GRPO as in
+- the reference workload's steps (docs/benchmarks.md#the-reference-workload, random init): GRPO as in
   `bench_grpo.py` (2 prompts × 8 samples × 64 new tokens, JAX reward) and PPO as in
   `bench_ppo.py` (16 prompts × 64 new tokens, separate critic, reward model, 4 epochs),
   through `make_iteration(time_split=True / False)`, the two forms' steps interleaved

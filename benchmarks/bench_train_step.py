@@ -1,8 +1,8 @@
 """Train-step benchmark: jaxrlhf vs transformers (PyTorch), side by side in one process.
 
-WORKLOAD.md measurement 2: a tiny random-init Llama (vocab 512, hidden 256, 4 layers),
-batch [16, 96] (`train_batch` of workload_prompts.json), loss = mean next-token
-cross-entropy over the 16 x 95 shifted positions, AdamW lr 1e-5 (b1 0.9, b2 0.999, eps 1e-8,
+The reference workload, measurement 2 (docs/benchmarks.md#the-reference-workload): a tiny
+random-init Llama (vocab 512, hidden 256, 4 layers), batch [16, 96] (`train_batch` of
+benchmarks/workload_prompts.json), loss = mean next-token cross-entropy over the 16 x 95 shifted positions, AdamW lr 1e-5 (b1 0.9, b2 0.999, eps 1e-8,
 weight decay 0). One step = forward + backward + optimizer update; on the JAX side a single
 jitted function with the state donated, on the torch side zero_grad + forward + backward +
 step. Both start from the same weights (the torch init, `torch.manual_seed(0)`, saved with
@@ -96,7 +96,7 @@ def _stats(times):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--framework", choices=("both", "jax", "torch"), default="both",
@@ -104,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
     if args.steps < 6:
-        ap.error("--steps must be >= 6 (WORKLOAD.md protocol)")
+        ap.error("--steps must be >= 6 (the reference workload's protocol)")
     sys.path.insert(0, str(_common.REPO))
 
     t_start = time.perf_counter()
@@ -144,7 +144,7 @@ def main(argv=None):
     import jax
 
     result = dict(
-        workload="WORKLOAD.md measurement 2 (train step)",
+        workload="reference workload, measurement 2 (train step)",
         params=n_params,
         first_loss=first_loss,
         ln_vocab=math.log(512),

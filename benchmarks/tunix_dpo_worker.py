@@ -66,7 +66,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--ckpt", default=None, help="HF safetensors dir with the workload's weights (default: Tunix init)")
     ap.add_argument("--ref", choices=("per-step", "precomputed"), default="per-step")
     ap.add_argument("--tunix-rope", action="store_true",

@@ -1,4 +1,6 @@
-"""WORKLOAD.md measurement 3 (GRPO step) with Google's Tunix (`tunix.rl.grpo.GRPOLearner` on an `RLCluster`).
+"""Reference workload, measurement 3 (GRPO step) with Google's Tunix (`tunix.rl.grpo.GRPOLearner` on an `RLCluster`).
+
+The workload: docs/benchmarks.md#the-reference-workload.
 
 Run by `bench_grpo.py --tunix-python PY` in a separate environment that has `google-tunix`
 (see benchmarks/README.md); standalone:
@@ -90,7 +92,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: ../shared/)")
+    ap.add_argument("--prompts", default=None, help="workload_prompts.json (default: benchmarks/workload_prompts.json)")
     ap.add_argument("--ckpt", default=None, help="HF safetensors dir with the workload's weights (default: Tunix init)")
     ap.add_argument("--tunix-rope", action="store_true",
                     help="keep Tunix 0.1.7's RoPE theta 1e6 (its Llama3 ignores ModelConfig.rope_theta)")

@@ -1,4 +1,6 @@
-"""WORKLOAD.md measurement 1 with Google's Tunix sampler (`tunix.generate.sampler.Sampler`).
+"""Reference workload, measurement 1 with Google's Tunix sampler (`tunix.generate.sampler.Sampler`).
+
+The workload: docs/benchmarks.md#the-reference-workload.
 
 Run by `bench_rollout.py --tunix-python PY` in a separate environment that has
 `google-tunix` (its dependencies conflict with none of ours, but it pulls in many):
