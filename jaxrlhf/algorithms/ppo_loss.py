@@ -3,8 +3,6 @@ runs them and re-exports both."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
@@ -12,10 +10,8 @@ from jaxrlhf import ops
 from jaxrlhf.algorithms import kl_terms
 from jaxrlhf.algorithms.common import accumulation_scale, response_hidden, response_logprobs
 from jaxrlhf.algorithms.ppo_rollout import on_actor
+from jaxrlhf.algorithms.ppo_config import PPOConfig
 from jaxrlhf.models.transformer import Transformer
-
-if TYPE_CHECKING:  # annotations only: ppo imports this module
-    from jaxrlhf.algorithms.ppo import PPOConfig
 
 
 def ppo_loss(

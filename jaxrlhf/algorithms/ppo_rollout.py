@@ -14,7 +14,7 @@ frozen base: `reference_params` (the base without the actor's adapters) and `on_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +23,10 @@ from jaxrlhf import ops, rewards
 from jaxrlhf.algorithms import scoring
 from jaxrlhf.algorithms.common import response_hidden, response_logprobs
 from jaxrlhf.algorithms.scoring import RunningMoments
+from jaxrlhf.algorithms.ppo_config import PPOConfig, PPOState
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.rollout.sampler import finished
-
-if TYPE_CHECKING:  # annotations only: ppo imports this module
-    from jaxrlhf.algorithms.ppo import PPOConfig, PPOState
 
 
 class Rollout(NamedTuple):

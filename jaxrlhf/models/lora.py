@@ -34,10 +34,8 @@ the stack gets the same adapters.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
-from pathlib import Path
 from typing import Any, Mapping
 
 import jax
@@ -243,14 +241,14 @@ def init_a(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def _adapted_kernels(params: Mapping, prefix=()):
+def adapted_kernels(params: Mapping, prefix=()):
     """`(path, node)` of every dict in `params` that holds `lora_a` (a `Projection`'s params)."""
     for k, v in params.items():
         if isinstance(v, Mapping):
             if "lora_a" in v:
                 yield prefix + (k,), v
             else:
-                yield from _adapted_kernels(v, prefix + (k,))
+                yield from adapted_kernels(v, prefix + (k,))
 
 
 def delta_weight(node: Mapping, scale: float) -> jax.Array:
@@ -275,7 +273,7 @@ def merge(config, params: PyTree) -> dict:
     QLoRA base (`models.quant`) is de-quantised first: `quant.dequantize_base`."""
     scale = config.lora.scale
     out = without_adapters(params)
-    for path, node in _adapted_kernels(params):
+    for path, node in adapted_kernels(params):
         target = out
         for k in path[:-1]:
             target = target[k]
@@ -283,46 +281,3 @@ def merge(config, params: PyTree) -> dict:
         target[path[-1]] = dict(target[path[-1]], kernel=(jnp.asarray(w, jnp.float32) + delta_weight(node, scale))
                                 .astype(w.dtype))
     return out
-
-
-# ----------------------------------------------------------------------------- PEFT export
-
-
-def peft_tensors(config, params: PyTree) -> dict[str, np.ndarray]:
-    """The adapters under PEFT's names for a `*ForCausalLM` base:
-    `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` `[r, in]` and
-    `...lora_B.weight` `[out, r]` (`base_model.model.lm_head.lora_*` for the head), float32
-    numpy arrays. A scanned stack is written per layer."""
-    from jaxrlhf.models.hf_layout import unstack_layers
-
-    host = jax.tree.map(np.asarray, adapters(params))
-    if "layers" in host:
-        host = unstack_layers(host)
-    out = {}
-    for path, node in _adapted_kernels(host):
-        a, b = node["lora_a"], node["lora_b"]
-        r = a.shape[-1]
-        name = ".".join(p.replace("layers_", "layers.") for p in path)
-        name = f"base_model.model.{name}" if path == (LM_HEAD,) else f"base_model.model.model.{name}"
-        out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T.astype(np.float32))
-        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T.astype(np.float32))
-    return out
-
-
-def save_peft(config, params: PyTree, path: str | Path, *, base_model_name_or_path: str = "") -> Path:
-    """A PEFT adapter folder: `adapter_config.json` + `adapter_model.safetensors`, which
-    `peft.PeftModel.from_pretrained(base, path)` loads onto the base model's HF export."""
-    from safetensors.numpy import save_file
-
-    lora = config.lora
-    tensors = peft_tensors(config, params)
-    modules = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-           "use_rslora": lora.rslora, "target_modules": modules, "lora_dropout": lora.dropout, "bias": "none",
-           "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-           "base_model_name_or_path": base_model_name_or_path}
-    (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-    return path

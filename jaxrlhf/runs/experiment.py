@@ -58,7 +58,7 @@ import jax
 import ml_collections as mlc
 
 from jaxrlhf import runlog
-from jaxrlhf.models import lora, quant, save_pretrained
+from jaxrlhf.models import lora, peft_export, quant, save_pretrained
 from jaxrlhf.runs import phases, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
@@ -120,7 +120,7 @@ def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | Non
     if not base_path or quantized:
         base_path = str(path / "peft" / "base")
         save_pretrained(plain, lora.without_adapters(params), base_path, tokenizer=tokenizer, overwrite=True)
-    lora.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)
+    peft_export.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)
 
 
 def _starting_from(stops: dict, phase: str, evaluation: dict):

@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from jaxrlhf.algorithms import common, grpo
-from jaxrlhf.models import ModelConfig, Transformer, init_params, load_pretrained, logical_axes, lora, save_pretrained
+from jaxrlhf.models import (ModelConfig, Transformer, init_params, load_pretrained, logical_axes, lora, peft_export,
+                            save_pretrained)
 from jaxrlhf.runs import config_base
 
 from .conftest import right_padded_batch
@@ -135,7 +136,7 @@ def test_exports_load_in_transformers_and_peft(hf_store, tmp_path):
     valid = mask.astype(bool)
 
     save_pretrained(base_model, lora.merge(model.config, params), tmp_path / "merged")
-    lora.save_peft(model.config, params, tmp_path / "peft", base_model_name_or_path=path)
+    peft_export.save_peft(model.config, params, tmp_path / "peft", base_model_name_or_path=path)
     with torch.no_grad():
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
         merged = hf(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
