@@ -1,4 +1,5 @@
-"""Rollout into training data: sample responses, then score them with forward passes.
+"""Rollout into training data: how responses are sampled (`SamplingConfig`, `sample_responses`)
+and scored by forward passes (`score_responses`).
 
 Shared by the online algorithms (PPO, GRPO family, RLOO): the sampler draws responses,
 then the rollout policy's own forward pass gives `old_logp` (recomputed, not trusted from
@@ -9,9 +10,7 @@ the sampler: docs/concepts.md#the-clipped-losses) and the frozen reference gives
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
-from typing import NamedTuple
 
 import jax
 
@@ -42,30 +41,6 @@ class SamplingConfig:
                              "S > 0: continuous batching with S slots)")
 
 
-class Experience(NamedTuple):
-    """One rollout batch, `N = B·G` rows, prompt length P and response length T.
-
-    sequences, attention_mask: `[N, P + T]` prompt ⧺ response.
-    response_ids, response_mask: `[N, T]` (mask: 1 up to and including EOS).
-    old_logp: `[N, T]` log-probs under the rollout policy (forward pass, temperature τ).
-    sampler_logp: `[N, T]` the sampler's own log-probs of the same tokens (diagnostic:
-      they should equal `old_logp` to float rounding).
-    ref_logp: `[N, T]` under the reference policy, or None.
-    """
-
-    sequences: jax.Array
-    attention_mask: jax.Array
-    response_ids: jax.Array
-    response_mask: jax.Array
-    old_logp: jax.Array
-    sampler_logp: jax.Array
-    ref_logp: jax.Array | None
-
-    @property
-    def prompt_len(self) -> int:
-        return self.sequences.shape[1] - self.response_ids.shape[1]
-
-
 def sample_responses(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
                      sampling: SamplingConfig) -> SampleOutput:
     """`sampling.num_samples` responses to each of the `B` prompts `[B, P]` (left-padded),
@@ -87,30 +62,3 @@ def score_responses(model: Transformer, params, sequences, attention_mask, promp
     logp, _, _ = response_logprobs(model, jax.lax.stop_gradient(params), sequences, attention_mask, prompt_len,
                                    temperature=temperature, group_size=group_size)
     return logp
-
-
-def generate_experience(
-    model: Transformer,
-    params,
-    prompt_ids: jax.Array,
-    prompt_mask: jax.Array,
-    rng: jax.Array,
-    sampling: SamplingConfig,
-    *,
-    ref_params=None,
-) -> Experience:
-    """Sample `sampling.num_samples` responses per prompt and compute old/ref log-probs.
-
-    Args:
-      model, params: the policy (LM head) and its current parameters.
-      prompt_ids, prompt_mask: `[B, P]`, left-padded.
-      ref_params: the frozen reference policy's parameters (same architecture), or None.
-    """
-    out = sample_responses(model, params, prompt_ids, prompt_mask, rng, sampling)
-    p = prompt_ids.shape[1]
-    score = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
-                              prompt_len=p, temperature=sampling.temperature, group_size=sampling.num_samples)
-    old_logp = score(params)
-    ref_logp = None if ref_params is None else score(ref_params)
-    return Experience(out.sequences, out.attention_mask, out.response_ids, out.response_mask, old_logp,
-                      out.logprobs, ref_logp)
