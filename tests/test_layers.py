@@ -1,4 +1,5 @@
-"""The package's layers import downwards only, and no import circle exists.
+"""The package's layers import downwards only, no import circle exists, and no module is over
+600 lines.
 
 `ops` (formulas) ← `models` ← `rollout` ← `algorithms` ← `parallel` ← `runs` ← `train`: a
 module of one layer imports modules of its own layer or of those before it. Every import
@@ -96,3 +97,8 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     assert circles(graph) == [["jaxrlhf.models.b", "jaxrlhf.ops.a"]]
     assert layer("jaxrlhf.ops.a") < layer("jaxrlhf.models.b")
     assert "jaxrlhf.algorithms.ppo_config" in import_graph()["jaxrlhf.algorithms.ppo"]
+
+
+def test_no_module_over_600_lines():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 600}
+    assert long == {}, "split these modules: " + ", ".join(f"{k} ({v} lines)" for k, v in sorted(long.items()))
