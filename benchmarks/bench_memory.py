@@ -164,8 +164,9 @@ def _ppo_inputs(shape, opts, b, p, t, *, dtype="float32", frozen_dtype=None):
                                            ref_params=r, reward=critic, reward_params=rm),
         actor_p, critic_p, frozen(actor), frozen(critic))
     f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
-    batch = dict(sequences=seq(b, p + t), attention_mask=seq(b, p + t, jnp.bool_), response_mask=seq(b, t, jnp.bool_),
-                 old_logp=f32(), old_values=f32(), advantages=f32(), returns=f32())
+    batch = ppo.Batch(sequences=seq(b, p + t), attention_mask=seq(b, p + t, jnp.bool_),
+                      response_mask=seq(b, t, jnp.bool_), old_logp=f32(), old_values=f32(), advantages=f32(),
+                      returns=f32())
     step = lambda state, batch, rng: ppo.update(state, batch, rng, actor_model=actor, critic_model=critic,
                                                 tx_actor=tx, tx_critic=tx, cfg=cfg)
     return step, (state, batch, jax.eval_shape(lambda: jax.random.key(0)))
@@ -266,8 +267,9 @@ def _lora_ppo_inputs(shape, mode, b, p, t):
                                                ref_params=r, reward=critic, reward_params=rm),
             actor_p, critic_p, base, bf16(critic_p))
     f32 = lambda: jax.ShapeDtypeStruct((b, t), jnp.float32)
-    batch = dict(sequences=seq(b, p + t), attention_mask=seq(b, p + t, jnp.bool_), response_mask=seq(b, t, jnp.bool_),
-                 old_logp=f32(), old_values=f32(), advantages=f32(), returns=f32())
+    batch = ppo.Batch(sequences=seq(b, p + t), attention_mask=seq(b, p + t, jnp.bool_),
+                      response_mask=seq(b, t, jnp.bool_), old_logp=f32(), old_values=f32(), advantages=f32(),
+                      returns=f32())
     step = lambda state, batch, rng: ppo.update(state, batch, rng, actor_model=actor, critic_model=critic,
                                                 tx_actor=tx, tx_critic=tx, cfg=cfg)
     roles = {"actor": actor, "critic": critic, "ref_params": actor, "reward_params": critic}

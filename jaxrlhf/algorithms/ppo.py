@@ -64,6 +64,7 @@ from jaxrlhf.algorithms.ppo_config import CRITIC_MODES, MISSING_EOS_MODES, REWAR
 from jaxrlhf.algorithms.ppo_loss import loss_fn, ppo_loss
 from jaxrlhf.algorithms.ppo_rollout import (
     Advantages,
+    Batch,
     Rollout,
     compute_advantages,
     on_actor,
@@ -166,7 +167,7 @@ _FIRST = ("ratio_min", "ratio_max", "ratio_mean", "approx_kl", "clipfrac")
 
 def update(
     state: PPOState,
-    batch: dict,
+    batch: Batch,
     rng: jax.Array,
     *,
     actor_model: Transformer,
@@ -183,7 +184,7 @@ def update(
     (min/max) and `first_*` (the first minibatch of the first epoch, where the ratio must
     be 1: a mismatch means old log-probs do not match the trainer's forward pass).
     """
-    n = batch["response_mask"].shape[0]
+    n = batch.response_mask.shape[0]
     m = cfg.num_minibatches
     if n % m:
         raise ValueError(f"{n} sequences do not split into num_minibatches={m}")
@@ -193,7 +194,7 @@ def update(
 
     def step(carry, mb):
         actor, critic = carry
-        total_tokens = jnp.sum(mb["response_mask"], dtype=jnp.float32)
+        total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
                                total_tokens=total_tokens, total_seqs=mb_size, beta=state.kl_ctl.beta)
         params = {"actor": actor.params, "critic": None if critic is None else critic.params}
@@ -237,10 +238,10 @@ def rollout(state: PPOState, prompt_ids, prompt_mask, rng, *, actor_model: Trans
 
 
 class Scored(NamedTuple):
-    """What `score` hands `train`: the training batch (`update`'s dict), the state's new
+    """What `score` hands `train`: the training batch (`update`'s `Batch`), the state's new
     running score moments and KL controller, and whether the rollout's metrics are finite."""
 
-    batch: dict
+    batch: Batch
     reward_stats: RunningMoments
     kl_ctl: kl_controller.KLControllerState
     finite: jax.Array
@@ -265,10 +266,9 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     beta = state.kl_ctl.beta
     adv = compute_advantages(processed, roll.old_logp, roll.ref_logp, roll.values, roll.response_mask, beta, cfg)
     metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg)
-    batch = dict(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=roll.response_mask,
-                 old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns)
-    if cfg.kl_in == "loss":
-        batch["ref_logp"] = roll.ref_logp
+    batch = Batch(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=roll.response_mask,
+                  old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns,
+                  ref_logp=roll.ref_logp if cfg.kl_in == "loss" else None)
     kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], out.sequences.shape[0], cfg=cfg.kl_config)
     metrics["beta_next"] = kl_ctl.beta
     finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()]))
@@ -363,7 +363,7 @@ def make_iteration(
     return iteration
 
 
-__all__ = ["CRITIC_MODES", "MISSING_EOS_MODES", "REWARD_WHITENING", "Advantages", "PPOConfig", "PPOState", "Rollout",
-           "RunningMoments", "Scored", "compute_advantages", "init_state", "loss_fn", "make_iteration", "on_actor",
-           "ppo_loss", "process_scores", "reference_params", "rollout", "rollout_metrics", "score", "score_rollout",
-           "split", "train", "update"]
+__all__ = ["CRITIC_MODES", "MISSING_EOS_MODES", "REWARD_WHITENING", "Advantages", "Batch", "PPOConfig", "PPOState",
+           "Rollout", "RunningMoments", "Scored", "compute_advantages", "init_state", "loss_fn", "make_iteration",
+           "on_actor", "ppo_loss", "process_scores", "reference_params", "rollout", "rollout_metrics", "score",
+           "score_rollout", "split", "train", "update"]

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 from jaxrlhf import ops
 from jaxrlhf.algorithms import kl_terms
 from jaxrlhf.algorithms.common import accumulation_scale, response_hidden, response_logprobs
-from jaxrlhf.algorithms.ppo_rollout import on_actor
+from jaxrlhf.algorithms.ppo_rollout import Batch, on_actor
 from jaxrlhf.algorithms.ppo_config import PPOConfig
 from jaxrlhf.models.transformer import Transformer
 
 
 def ppo_loss(
     params: dict,
-    batch: dict,
+    batch: Batch,
     *,
     actor_model: Transformer,
     critic_model: Transformer | None,
@@ -31,12 +31,15 @@ def ppo_loss(
                [+ β·agg(kl(logp, ref_logp))   with cfg.kl_in == "loss", `kl_terms.loss_term`]
 
     params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
-    batch: sequences, attention_mask `[n, P+T]`; response_mask, old_logp, old_values,
-      advantages, returns `[n, T]`; ref_logp `[n, T]` with `kl_in="loss"`.
+    batch: a `Batch` of `n` rows: sequences, attention_mask `[n, P+T]`; response_mask,
+      old_logp, old_values, advantages, returns `[n, T]`; ref_logp `[n, T]` with
+      `kl_in="loss"` (None otherwise).
     beta: this iteration's β (the KL controller's), used only with `kl_in="loss"`.
     actor/critic_dropout_rng: that role's LoRA adapter dropout (`common.dropout_key`) or None.
     """
-    seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["response_mask"]
+    if cfg.kl_in == "loss" and batch.ref_logp is None:
+        raise ValueError("kl_in='loss' needs batch.ref_logp (None: the batch was built for kl_in='reward')")
+    seq, attn, mask = batch.sequences, batch.attention_mask, batch.response_mask
     prompt_len = seq.shape[1] - mask.shape[1]
     logp, ent, values = response_logprobs(actor_model, params["actor"], seq, attn, prompt_len,
                                           temperature=cfg.sampling.temperature, with_entropy=True,
@@ -44,9 +47,9 @@ def ppo_loss(
     if not cfg.shared:
         _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len,
                                     dropout_rng=critic_dropout_rng)
-    pg, pm = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=cfg.clip,
+    pg, pm = ops.policy_loss(logp, batch.old_logp, batch.advantages, mask, clip_low=cfg.clip,
                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
-    vl, vm = ops.value_loss(values.astype(jnp.float32), batch["old_values"], batch["returns"], mask,
+    vl, vm = ops.value_loss(values.astype(jnp.float32), batch.old_values, batch.returns, mask,
                             clip=cfg.vf_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     entropy = ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.norm_len)
     loss = pg + cfg.vf_coef * vl
@@ -56,7 +59,7 @@ def ppo_loss(
                    approx_kl=pm["approx_kl"], ratio_mean=pm["ratio_mean"], ratio_min=pm["ratio_min"],
                    ratio_max=pm["ratio_max"], value_clipfrac=vm["clipfrac"], value_mean=vm["value_mean"])
     if cfg.kl_in == "loss":
-        kl_loss = kl_terms.loss_term(ops.kl(logp, batch["ref_logp"], estimator=cfg.kl_estimator), mask, beta,
+        kl_loss = kl_terms.loss_term(ops.kl(logp, batch.ref_logp, estimator=cfg.kl_estimator), mask, beta,
                                      agg=cfg.agg, norm_len=cfg.norm_len)
         loss = loss + kl_loss
         metrics.update(loss=loss, kl_loss=kl_loss)
@@ -67,7 +70,8 @@ _LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy", "kl_loss")
 _TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
 
 
-def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, beta=0.0, **dropout_rngs):
+def loss_fn(params, batch: Batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, beta=0.0,
+            **dropout_rngs):
     """`ppo_loss` weighted as this micro-batch's share of its minibatch (`accumulation_scale`).
 
     The metrics are weighted too, so that `accumulate_gradients`' plain mean over
@@ -77,7 +81,7 @@ def loss_fn(params, batch, *, actor_model, critic_model, cfg, total_tokens, tota
     """
     loss, metrics = ppo_loss(params, batch, actor_model=actor_model, critic_model=critic_model, cfg=cfg, beta=beta,
                              **dropout_rngs)
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
     if cfg.num_microbatches > 1:
         n = cfg.num_microbatches

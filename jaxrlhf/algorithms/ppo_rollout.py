@@ -5,6 +5,7 @@
     process_scores      missing-EOS penalty → whitening → clipping of the scores
     compute_advantages  KL (k1/k2/k3) → shape_rewards(β) → GAE(γ, λ) → whiten
     rollout_metrics     what the rollout looked like (scores, KL, lengths, advantages)
+    Batch               the update batch `ppo.score` builds from them and `ppo.update` trains on
 
 Pure functions of the arrays, a `PPOConfig` and (for `score_rollout`) a `PPOState`, all
 re-exported by `ppo`, whose iteration composes them. With LoRA the roles share the actor's
@@ -47,6 +48,31 @@ class Rollout(NamedTuple):
     values: jax.Array
     scores: jax.Array
     reward_metrics: dict
+
+
+class Batch(NamedTuple):
+    """PPO's update batch, `N` rows (prompt length P, left-padded; response length T):
+    what `ppo.score` builds from a `Rollout` and its `Advantages`, and what `ppo.update`
+    cuts into minibatches (any leading row count `n` in `ppo_loss`).
+
+    sequences, attention_mask: `[N, P+T]` prompt ⧺ response.
+    response_mask: `[N, T]`, 1 on valid response tokens.
+    old_logp: `[N, T]` the rollout actor's log-probs (τ-scaled; `Rollout.old_logp`).
+    old_values: `[N, T]` the critic's values at rollout time (`Rollout.values`).
+    advantages: `[N, T]` float32 (`Advantages.advantages`: whitened if configured).
+    returns: `[N, T]` float32, the critic's targets (`Advantages.returns`).
+    ref_logp: `[N, T]` the reference's log-probs with `kl_in="loss"` (the loss's KL term);
+      None with `kl_in="reward"`, where the KL is already in the advantages.
+    """
+
+    sequences: jax.Array
+    attention_mask: jax.Array
+    response_mask: jax.Array
+    old_logp: jax.Array
+    old_values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    ref_logp: jax.Array | None = None
 
 
 def reference_params(state: PPOState) -> Any:
@@ -198,4 +224,4 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
     return out
 
 
-__all__ = ["Advantages", "Rollout", "compute_advantages", "process_scores", "rollout_metrics", "score_rollout"]
+__all__ = ["Advantages", "Batch", "Rollout", "compute_advantages", "process_scores", "rollout_metrics", "score_rollout"]

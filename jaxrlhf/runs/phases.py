@@ -216,9 +216,10 @@ def _completions(train, writer, phase: str, params_of, *, with_advantage: bool =
 
 
 def _advantages(prepared):
-    """`(advantages [N, T], response_mask [N, T])` of a scored batch: GRPO's `Batch`, PPO's `Scored`."""
-    batch = prepared.batch if hasattr(prepared, "batch") else prepared._asdict()
-    return batch["advantages"], batch["response_mask"]
+    """`(advantages [N, T], response_mask [N, T])` of a scored batch: GRPO's `Batch`, PPO's
+    `Scored` (which holds a `ppo.Batch`)."""
+    batch = prepared.batch if hasattr(prepared, "batch") else prepared
+    return batch.advantages, batch.response_mask
 
 
 def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,

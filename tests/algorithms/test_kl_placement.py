@@ -135,10 +135,10 @@ def _ppo_batch():
     rng = np.random.default_rng(1)
     mask = out.response_mask
     f = lambda x: jnp.asarray(np.where(mask, x, 0.0), jnp.float32)
-    return dict(sequences=out.sequences, attention_mask=out.attention_mask, response_mask=mask,
-                old_logp=f(_logp(PARAMS) + rng.normal(0, 0.1, (N, T))), old_values=f(rng.normal(0, 1, (N, T))),
-                advantages=f(rng.normal(0, 1, (N, T))), returns=f(rng.normal(0, 1, (N, T))),
-                ref_logp=jnp.asarray(_logp(REF), jnp.float32))
+    return ppo.Batch(sequences=out.sequences, attention_mask=out.attention_mask, response_mask=mask,
+                     old_logp=f(_logp(PARAMS) + rng.normal(0, 0.1, (N, T))), old_values=f(rng.normal(0, 1, (N, T))),
+                     advantages=f(rng.normal(0, 1, (N, T))), returns=f(rng.normal(0, 1, (N, T))),
+                     ref_logp=jnp.asarray(_logp(REF), jnp.float32))
 
 
 @pytest.mark.parametrize("estimator", ["k2", "k3"])
@@ -161,6 +161,6 @@ def test_ppo_kl_in_the_loss(estimator):
     assert float(loss(cfg("loss"), 0.0)[0]) == pytest.approx(float(in_reward), abs=1e-7)
     b = _ppo_batch()
     scores = jnp.arange(N, dtype=jnp.float32)
-    adv = lambda c, bt: ppo.compute_advantages(scores, b["old_logp"], b["ref_logp"], b["old_values"], mask, bt, c)
+    adv = lambda c, bt: ppo.compute_advantages(scores, b.old_logp, b.ref_logp, b.old_values, mask, bt, c)
     np.testing.assert_array_equal(np.asarray(adv(cfg("loss"), beta).rewards), np.asarray(adv(cfg("reward"), 0.0).rewards))
     assert not np.allclose(np.asarray(adv(cfg("reward"), beta).rewards), np.asarray(adv(cfg("loss"), beta).rewards))

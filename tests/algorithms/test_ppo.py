@@ -209,11 +209,11 @@ def test_loss_and_gradient_equal_hand_composed_ops(params):
                         vf_clip=0.2, agg="seq-mean-token-mean")
     seq, attn, mask = _rollout_batch(1)
     rng = np.random.default_rng(2)
-    batch = dict(sequences=seq, attention_mask=attn, response_mask=mask,
-                 old_logp=jnp.asarray(rng.normal(-3.2, 0.2, (8, T)), jnp.float32),
-                 old_values=jnp.asarray(rng.normal(0, 0.3, (8, T)), jnp.float32),
-                 advantages=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32),
-                 returns=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32))
+    batch = ppo.Batch(sequences=seq, attention_mask=attn, response_mask=mask,
+                      old_logp=jnp.asarray(rng.normal(-3.2, 0.2, (8, T)), jnp.float32),
+                      old_values=jnp.asarray(rng.normal(0, 0.3, (8, T)), jnp.float32),
+                      advantages=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32),
+                      returns=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32))
     p = {"actor": params["actor"], "critic": params["critic"]}
 
     def ours(p):
@@ -222,9 +222,9 @@ def test_loss_and_gradient_equal_hand_composed_ops(params):
     def reference(p):
         logp, ent, _ = _full_forward_logp(ACTOR, p["actor"], seq, attn, tau=0.8)
         values = CRITIC.apply({"params": p["critic"]}, seq, attn).values[:, P - 1:-1]
-        pg, _ = ops.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, clip_low=0.2,
+        pg, _ = ops.policy_loss(logp, batch.old_logp, batch.advantages, mask, clip_low=0.2,
                                 agg="seq-mean-token-mean")
-        vl, _ = ops.value_loss(values, batch["old_values"], batch["returns"], mask, clip=0.2,
+        vl, _ = ops.value_loss(values, batch.old_values, batch.returns, mask, clip=0.2,
                                agg="seq-mean-token-mean")
         return pg + 0.1 * vl - 0.01 * ops.aggregate(ent, mask, mode="seq-mean-token-mean")
 
@@ -273,10 +273,11 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
         return batch, metrics, (logp, values, raw, kl, adv, ret)
 
     batch, metrics, (logp, values, raw, kl, adv, ret) = both(state, ref)
-    np.testing.assert_allclose(batch["old_logp"] * mask, logp * mask, atol=2e-5)
-    np.testing.assert_allclose(batch["old_values"] * mask, values * mask, atol=2e-5)
-    np.testing.assert_allclose(batch["returns"], ret, atol=5e-5)
-    np.testing.assert_allclose(batch["advantages"], ops.whiten(adv, mask), atol=2e-4)
+    np.testing.assert_allclose(batch.old_logp * mask, logp * mask, atol=2e-5)
+    np.testing.assert_allclose(batch.old_values * mask, values * mask, atol=2e-5)
+    np.testing.assert_allclose(batch.returns, ret, atol=5e-5)
+    np.testing.assert_allclose(batch.advantages, ops.whiten(adv, mask), atol=2e-4)
+    assert batch.ref_logp is None  # kl_in="reward": the KL is in the advantages
     np.testing.assert_allclose(metrics["score_mean"], raw.mean(), atol=1e-5)
     np.testing.assert_allclose(metrics["advantage_mean"], ops.masked_mean(adv, mask), atol=5e-5)
     np.testing.assert_allclose(metrics["kl_k3"], ops.masked_mean(kl, mask), atol=1e-5)
@@ -287,10 +288,10 @@ def _update_batch(seed, advantages=None):
     seq, attn, mask = _rollout_batch(seed)
     rng = np.random.default_rng(seed + 1)
     adv = jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32) if advantages is None else advantages
-    return dict(sequences=seq, attention_mask=attn, response_mask=mask,
-                old_logp=jnp.asarray(rng.normal(-3.2, 0.1, (8, T)), jnp.float32),
-                old_values=jnp.zeros((8, T)), advantages=adv,
-                returns=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32))
+    return ppo.Batch(sequences=seq, attention_mask=attn, response_mask=mask,
+                     old_logp=jnp.asarray(rng.normal(-3.2, 0.1, (8, T)), jnp.float32),
+                     old_values=jnp.zeros((8, T)), advantages=adv,
+                     returns=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32))
 
 
 def _update_cfg(micro):

@@ -558,8 +558,8 @@ def ppo_update_equals_unsharded():
     state = ppo.init_state(cfg, actor, actor_params, tx_a, critic_model=critic, critic_params=critic_params,
                            tx_critic=tx_c)
     b = _algo_batch(1)
-    batch = {k: b[k] for k in ("sequences", "attention_mask", "response_mask", "old_logp", "advantages",
-                               "old_values", "returns")}
+    batch = ppo.Batch(**{k: b[k] for k in ("sequences", "attention_mask", "response_mask", "old_logp", "advantages",
+                                          "old_values", "returns")})
     update = functools.partial(ppo.update, actor_model=actor, critic_model=critic, tx_actor=tx_a,
                                tx_critic=tx_c, cfg=cfg)
 
