@@ -164,3 +164,29 @@ def test_ppo_kl_in_the_loss(estimator):
     adv = lambda c, bt: ppo.compute_advantages(scores, b.old_logp, b.ref_logp, b.old_values, mask, bt, c)
     np.testing.assert_array_equal(np.asarray(adv(cfg("loss"), beta).rewards), np.asarray(adv(cfg("reward"), 0.0).rewards))
     assert not np.allclose(np.asarray(adv(cfg("reward"), beta).rewards), np.asarray(adv(cfg("loss"), beta).rewards))
+
+
+def test_ppo_update_slices_ref_logp_when_there_is_one():
+    """`ppo.update` cuts every field of the `Batch` into its minibatches, a None field as
+    nothing: with kl_in="reward" a batch with or without ref_logp trains the same; with
+    kl_in="loss" the minibatches carry it (a k3 KL term > 0) and a batch without it is refused."""
+    model = Transformer(CFG, head="lm_value")
+    params = dict(PARAMS, value_head={"kernel": jnp.zeros((CFG.hidden_size, 1))})
+    sampling = SamplingConfig(max_new_tokens=T, num_samples=1, temperature=TAU)
+    cfg = lambda kl_in: ppo.PPOConfig(sampling=sampling, critic="shared", kl_in=kl_in, kl_estimator="k3",
+                                      kl_coef=0.3, num_ppo_epochs=1, num_minibatches=2)
+
+    def update(c, batch):
+        state = ppo.init_state(c, model, jax.tree.map(jnp.copy, params), TX)
+        return ppo.update(state, batch, jax.random.key(0), actor_model=model, critic_model=None, tx_actor=TX,
+                          tx_critic=None, cfg=c)
+
+    batch = _ppo_batch()
+    with_ref, _ = update(cfg("reward"), batch)
+    without, _ = update(cfg("reward"), batch._replace(ref_logp=None))
+    for a, b in zip(jax.tree.leaves(with_ref.actor.params), jax.tree.leaves(without.actor.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, metrics = update(cfg("loss"), batch)
+    assert float(metrics["kl_loss"]) > 0
+    with pytest.raises(ValueError, match=r"kl_in='loss' needs batch.ref_logp"):
+        update(cfg("loss"), batch._replace(ref_logp=None))
