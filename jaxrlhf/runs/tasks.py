@@ -279,6 +279,11 @@ def _file_parser(cfg, tok, kind: str):
         max_response_tokens=cfg.max_response_tokens, source=source, **common)
 
 
+def _bounds(cfg) -> dict:
+    """`task.max_row_bytes` / `task.max_file_bytes` as the readers' limits (0: none)."""
+    return dict(max_row_bytes=cfg.max_row_bytes or None, max_file_bytes=cfg.max_file_bytes or None)
+
+
 def _as_prompts(rows) -> data.PromptData:
     """The prompts of SFT examples or pairs, for held-out evaluation: the reference answer
     is the completion (the first assistant turn) or the chosen response."""
@@ -311,9 +316,9 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
     tok = _tokenizer("jsonl", tokenizer_path)
     parse = _file_parser(cfg, tok, kind)
     test_field = "task.test_path" if cfg.test_path else "task.path"
-    train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed)
+    train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed, **_bounds(cfg))
     test = data.read_mixture(cfg.test_path or cfg.path, parse, data_dir=cfg.data_dir,
-                             seed=cfg.seed + 1, field=test_field)
+                             seed=cfg.seed + 1, field=test_field, **_bounds(cfg))
     source = f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}"
     extra = _other_phases_rows(cfg, tok, kind)
     width = max((len(x) for rows in extra.values() for x in rows.prompt_ids), default=0)
@@ -347,7 +352,7 @@ def _other_phases_rows(cfg, tok, kind: str) -> dict:
             raise ValueError(f"task.{name}_path={spec!r}: this task's own rows are {name} (task.kind={kind!r}, "
                              f"read from task.path); {name}_path gives {name} rows to a task of another kind")
         rows = data.read_mixture(spec, _file_parser(cfg, tok, name), data_dir=cfg.data_dir, seed=cfg.seed,
-                                 field=f"task.{name}_path")
+                                 field=f"task.{name}_path", **_bounds(cfg))
         if not rows.location:
             raise ValueError(f"task.{name}_path={spec!r}: no usable {name} rows ({rows.skipped})")
         out[name] = rows
