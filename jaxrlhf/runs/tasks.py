@@ -169,14 +169,13 @@ def text_stop_ids(tok, folder: str, stop_tokens: str = "") -> tuple[int, ...]:
     """The ids that end a chat model's response: the tokenizer's EOS, the `eos_token_id`
     (one id or a list, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`) of `folder`'s
     `generation_config.json` if it has one, and `stop_tokens` ("<|eot_id|>,128001": token
-    strings or ids, comma-separated; `task.stop_tokens`), in that order, each once."""
-    import json
-    from pathlib import Path
+    strings or ids, comma-separated; `task.stop_tokens`), in that order, each once. A
+    truncated `generation_config.json` is a `CheckpointError` naming it."""
+    from jaxrlhf.models import load_generation_config
 
     ids = [tok.eos_token_id]
-    gen = Path(folder) / "generation_config.json" if folder else None
-    if gen is not None and gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if folder:
+        eos = load_generation_config(folder).get("eos_token_id")
         ids += eos if isinstance(eos, list) else [eos]
     vocab = tok.get_vocab()
     for item in (s.strip() for s in stop_tokens.split(",")):
