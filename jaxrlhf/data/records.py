@@ -10,6 +10,15 @@ makes it a `too_long` bad record (dropped and counted, or an error with
 `on_error="raise"`); "left_truncate" keeps its last `max_prompt_tokens` tokens (a leading
 BOS kept), so that its end, the chat template's generation prompt, survives, and counts
 it in the report's `truncated`. Either way the log says how many.
+
+Input is bounded before it is expanded. The readers refuse a row of more than
+`max_row_bytes` bytes (`row_too_long`) before it is parsed (a JSONL line) or used (a
+Parquet or TFDS row's cells, `check_row_bytes`). A text that is
+to be dropped when over a token limit (a prompt with `long_prompts="drop"`, a response) is
+`too_long` without tokenizing it when it has more UTF-8 bytes than the limit's tokens can
+hold: `limit × longest_token_bytes(tokenizer)`, a safe bound for tokenizers whose tokens
+each stand for at most their own text's bytes (byte-level BPE, SentencePiece, the
+character tokenizer; templates only add tokens).
 """
 
 from __future__ import annotations
@@ -17,15 +26,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 from typing import Any, Iterable, NamedTuple
+
+import numpy as np
 
 from jaxrlhf.data import chat
 from jaxrlhf.data.char_tokenizer import CharTokenizer
 
-REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_key", "wrong_type", "empty", "untokenizable",
-           "too_long", "no_assistant_turn", "bad_template")
+REASONS = ("invalid_utf8", "invalid_json", "row_too_long", "not_an_object", "missing_key", "wrong_type", "empty",
+           "untokenizable", "too_long", "no_assistant_turn", "bad_template")
 _MAX_KEPT_MESSAGES = 5
 LONG_PROMPTS = ("drop", "left_truncate")
+MAX_ROW_BYTES = 2**20  # the readers' default bound on one row (`check_row_bytes`, `jsonl.read_records`)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +143,73 @@ def encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def text_bytes(value: Any) -> int:
+    """The bytes of text in a record's value: strings (UTF-8) and bytes, summed through
+    lists, tuples, dicts and numpy arrays (TFDS rows); numbers count nothing."""
+    if isinstance(value, str):
+        return _utf8_len(value)
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_bytes(v) for v in value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OSU":
+        return sum(text_bytes(v) for v in value.ravel().tolist())
+    return 0
+
+
+def check_row_bytes(record: Any, location: str, limit: int | None) -> DataError | None:
+    """A `row_too_long` DataError when a Parquet/TFDS row holds more than `limit` bytes of
+    text (`text_bytes`), naming its longest field; None when it fits (or `limit` is None).
+    Measured on the cells as read, before anything is tokenized."""
+    if limit is None:
+        return None
+    sizes = {k: text_bytes(v) for k, v in record.items()} if isinstance(record, dict) else {None: text_bytes(record)}
+    if sum(sizes.values()) <= limit:
+        return None
+    field = max(sizes, key=sizes.get)
+    return DataError(location, field, "row_too_long", f"the row has {sum(sizes.values())} bytes of text ("
+                     f"{sizes[field]} in this field), more than max_row_bytes={limit}")
+
+
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The UTF-8 length of the tokenizer's longest token string (its vocabulary with the
+    added and special tokens), computed once per tokenizer. A byte-level BPE token's string
+    (bytes mapped to characters like "Ġ") or a SentencePiece piece ("▁the", "<0xE2>") has at
+    least as many bytes as the text it stands for, so no token covers more text than this."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    vocab = tokenizer.vocab if isinstance(tokenizer, CharTokenizer) else tokenizer.get_vocab()
+    longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weakly referenceable: computed again next time
+        pass
+    return longest
+
+
+def _check_bytes(tokenizer, text, limit, key, location, limit_name):
+    """`too_long` when `text` has more UTF-8 bytes than `limit` tokens can hold (module
+    docstring), decided without tokenizing it; nothing when `limit` is None."""
+    if limit is None:
+        return
+    longest = longest_token_bytes(tokenizer)
+    size = _utf8_len(text)
+    if size > limit * longest:
+        raise DataError(location, key, "too_long", f"has {size} bytes, more than {limit_name}={limit} tokens can "
+                        f"hold (the tokenizer's longest token is {longest} bytes)")
+
+
 def _field(record: Any, key: str, location: str) -> Any:
     if not isinstance(record, dict):
         raise DataError(location, None, "not_an_object", f"expected a JSON object, got {type(record).__name__}")
@@ -186,13 +266,19 @@ def _prompt(tokenizer, value, key, location, *, chat_template, system_prompt, ma
         messages = _chat(value, key, location, system_prompt)
         text = _render(chat.render, tokenizer, messages, True, key=key, location=location,
                        template_kwargs=template_kwargs)
-        ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
     else:
         if isinstance(value, list):
             raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
         text = _text(value, key, location)
-        ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=True)
+    ids = _encode_prompt(tokenizer, text, key, location, add_special_tokens=not chat_template, max_tokens=max_tokens,
+                         long_prompts=long_prompts)
     return (text, *_fit_prompt(tokenizer, ids, max_tokens, long_prompts, key, location))
+
+
+def _encode_prompt(tokenizer, text, key, location, *, add_special_tokens, max_tokens, long_prompts) -> list[int]:
+    """A prompt's ids; one that would be dropped as too long is refused by its bytes first."""
+    return _encode_or_error(tokenizer, text, key, location, add_special_tokens=add_special_tokens,
+                            limit=max_tokens if long_prompts == "drop" else None, limit_name="max_prompt_tokens")
 
 
 def _fit_prompt(tokenizer, ids, limit, long_prompts, key, location) -> tuple[list[int], bool]:
@@ -207,7 +293,11 @@ def _fit_prompt(tokenizer, ids, limit, long_prompts, key, location) -> tuple[lis
     return head + ids[len(ids) - (limit - len(head)):], True
 
 
-def _encode_or_error(tokenizer, text, key, location, *, add_special_tokens):
+def _encode_or_error(tokenizer, text, key, location, *, add_special_tokens, limit=None, limit_name=None):
+    """`encode`, a character outside a CharTokenizer's vocabulary `untokenizable`; with a
+    token `limit` (named `limit_name`), a text with more bytes than that many tokens can
+    hold is `too_long` before it is tokenized (`_check_bytes`)."""
+    _check_bytes(tokenizer, text, limit, key, location, limit_name)
     try:
         return encode(tokenizer, text, add_special_tokens=add_special_tokens)
     except ValueError as e:  # CharTokenizer: a character outside its vocabulary
@@ -308,7 +398,8 @@ def _response(tokenizer, value, key, location, *, prompt, chat_template, max_tok
         if isinstance(value, list):
             raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
         text = _text(value, key, location)
-    ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
+    ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False, limit=max_tokens,
+                           limit_name="max_response_tokens")
     _check_len(ids, max_tokens, key, location, "max_response_tokens")
     return text, ids
 
@@ -355,7 +446,8 @@ def pairs_from_records(
             messages = _chat(turns, chosen_key, location, system_prompt)
             text = _render(chat.render, tokenizer, messages, True, key=chosen_key, location=location,
                            template_kwargs=chat_template_kwargs)
-            ids = _encode_or_error(tokenizer, text, chosen_key, location, add_special_tokens=False)
+            ids = _encode_prompt(tokenizer, text, chosen_key, location, add_special_tokens=False,
+                                 max_tokens=max_prompt_tokens, long_prompts=long_prompts)
             ids, truncated = _fit_prompt(tokenizer, ids, max_prompt_tokens, long_prompts, chosen_key, location)
             values = {chosen_key: chosen, rejected_key: rejected}
         else:
@@ -415,7 +507,8 @@ def sft_from_records(
                 text, ids, truncated = _prompt(tokenizer, prompt, prompt_key, location, chat_template=False,
                                                system_prompt=None, max_tokens=max_prompt_tokens, **fit)
                 answer = _text(completion, completion_key, location)
-                resp = _encode_or_error(tokenizer, answer, completion_key, location, add_special_tokens=False)
+                resp = _encode_or_error(tokenizer, answer, completion_key, location, add_special_tokens=False,
+                                        limit=max_response_tokens, limit_name="max_response_tokens")
                 resp += [] if eos_id is None else [eos_id]
                 _check_len(resp, max_response_tokens, completion_key, location, "max_response_tokens")
                 return dict(prompt_text=text, prompt_ids=ids, response_ids=resp, loss_mask=[True] * len(resp),
@@ -428,8 +521,11 @@ def sft_from_records(
         if first is None:
             raise DataError(location, key, "no_assistant_turn", "has no assistant turn to learn")
         text = "".join(t for t, _ in pieces[:first])
-        ids = _encode_or_error(tokenizer, text, key, location, add_special_tokens=False)
+        ids = _encode_prompt(tokenizer, text, key, location, add_special_tokens=False, max_tokens=max_prompt_tokens,
+                             long_prompts=long_prompts)
         ids, truncated = _fit_prompt(tokenizer, ids, max_prompt_tokens, long_prompts, key, location)
+        _check_bytes(tokenizer, "".join(t for t, _ in pieces[first:]), max_response_tokens, key, location,
+                     "max_response_tokens")
         resp, loss = [], []
         for piece, assistant in pieces[first:]:
             piece_ids = _encode_or_error(tokenizer, piece, key, location, add_special_tokens=False)

@@ -12,6 +12,8 @@ the mixture has as many rows as the sources' usable rows together, source i givi
 round(N · wᵢ / Σw) of them, drawn by a permutation seeded with (`seed`, i) and cycled when
 a source has fewer rows than its share: a pure function of the spec, the files and `seed`.
 Each source is parsed on its own, so every bad row is reported with its own `file:line`.
+Every source is read within `max_row_bytes` per row and a file within `max_file_bytes`
+(`jsonl.read_records`, `tfds.load_records`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from jaxrlhf.data.jsonl import read_records
-from jaxrlhf.data.records import SkipReport
+from jaxrlhf.data.jsonl import MAX_FILE_BYTES, read_records
+from jaxrlhf.data.records import MAX_ROW_BYTES, SkipReport
 
 
 def parse_spec(spec: str, field: str = "task.path") -> list[tuple[str, float | None]]:
@@ -48,23 +50,27 @@ def parse_spec(spec: str, field: str = "task.path") -> list[tuple[str, float | N
     return out
 
 
-def source_records(source: str, *, data_dir: str = ""):
-    """The `(location, record)` rows of one source: a .jsonl/.parquet file or `tfds:name/split`."""
+def source_records(source: str, *, data_dir: str = "", max_row_bytes: int | None = MAX_ROW_BYTES,
+                   max_file_bytes: int | None = MAX_FILE_BYTES):
+    """The `(location, record)` rows of one source: a .jsonl/.parquet file or `tfds:name/split`,
+    a row of more than `max_row_bytes` a DataError, a file over `max_file_bytes` refused."""
     if source.startswith("tfds:"):
         from jaxrlhf.data import tfds
 
         name, _, split = source[len("tfds:"):].partition("/")
         if not name or not split:
             raise ValueError(f"{source!r}: a TFDS source is tfds:<name>/<split>, e.g. tfds:gsm8k/train")
-        return tfds.load_records(name, split=split, data_dir=data_dir or None)
-    return read_records(source)
+        return tfds.load_records(name, split=split, data_dir=data_dir or None, max_row_bytes=max_row_bytes)
+    return read_records(source, max_row_bytes=max_row_bytes, max_file_bytes=max_file_bytes)
 
 
 def read_mixture(spec: str, parse: Callable[[Any, str], NamedTuple], *, data_dir: str = "", seed: int = 0,
-                 field: str = "task.path") -> NamedTuple:
+                 field: str = "task.path", max_row_bytes: int | None = MAX_ROW_BYTES,
+                 max_file_bytes: int | None = MAX_FILE_BYTES) -> NamedTuple:
     """`parse(records, source)` (e.g. a `records.*_from_records` with its options bound) of
     every source of `spec`, mixed as the module docstring says; `skipped` sums them."""
-    parts = [(source, weight, parse(source_records(source, data_dir=data_dir), source))
+    bounds = dict(max_row_bytes=max_row_bytes, max_file_bytes=max_file_bytes)
+    parts = [(source, weight, parse(source_records(source, data_dir=data_dir, **bounds), source))
              for source, weight in parse_spec(spec, field)]
     return mix([(p, w) for _, w, p in parts], seed=seed, names=[s for s, _, _ in parts], field=field)
 

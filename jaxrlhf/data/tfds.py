@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jaxrlhf.data.records import PromptData, prompts_from_records
+from jaxrlhf.data.records import MAX_ROW_BYTES, PromptData, check_row_bytes, prompts_from_records
 
 _INSTALL_HINT = (
     "install TensorFlow (`pip install tensorflow-cpu`), or prepare the dataset in the "
@@ -57,8 +57,11 @@ def load_records(
     data_dir: str | None = None,
     download: bool = False,
     builder: Any = None,
+    max_row_bytes: int | None = MAX_ROW_BYTES,
 ) -> Iterator[tuple[str, dict]]:
-    """An iterator of ("tfds:name/split:i", record), records as plain Python dicts (i from 1).
+    """An iterator of ("tfds:name/split:i", record), records as plain Python dicts (i from 1);
+    a record with more than `max_row_bytes` bytes of text is a `row_too_long` DataError in
+    its place, measured before it is decoded (`records.check_row_bytes`; None: no limit).
 
     The dataset is opened eagerly, so a missing dataset or TensorFlow raises here.
 
@@ -91,12 +94,13 @@ def load_records(
         if _is_missing_tensorflow(e):
             raise TensorFlowRequiredError(f"TFDS dataset {label!r} ({split}) needs TensorFlow: {_INSTALL_HINT}") from e
         raise
-    return _iterate(source, f"tfds:{label}/{split}")
+    return _iterate(source, f"tfds:{label}/{split}", max_row_bytes)
 
 
-def _iterate(source: Any, prefix: str) -> Iterator[tuple[str, dict]]:
+def _iterate(source: Any, prefix: str, max_row_bytes: int | None) -> Iterator[tuple[str, dict]]:
     for i in range(len(source)):
-        yield f"{prefix}:{i + 1}", _to_python(source[i])
+        location, raw = f"{prefix}:{i + 1}", source[i]
+        yield location, check_row_bytes(raw, location, max_row_bytes) or _to_python(raw)
 
 
 def load_prompts(
@@ -113,12 +117,14 @@ def load_prompts(
     chat_template: bool = False,
     system_prompt: str | None = None,
     on_error: str = "raise",
+    max_row_bytes: int | None = MAX_ROW_BYTES,
 ) -> PromptData:
     """Prompts and answers from a TFDS dataset (defaults fit GSM8K's question/answer fields)."""
     if tokenizer is None:
         raise ValueError("a tokenizer is required")
     return prompts_from_records(
-        load_records(name, split=split, data_dir=data_dir, download=download, builder=builder),
+        load_records(name, split=split, data_dir=data_dir, download=download, builder=builder,
+                     max_row_bytes=max_row_bytes),
         tokenizer, prompt_key=prompt_key, answer_key=answer_key,
         max_prompt_tokens=max_prompt_tokens, chat_template=chat_template,
         system_prompt=system_prompt, on_error=on_error, source=f"tfds:{name or builder.name}/{split}")

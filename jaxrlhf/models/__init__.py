@@ -3,6 +3,7 @@
 from jaxrlhf.models.checkpoint import (
     CheckpointError,
     encode_prompt,
+    load_generation_config,
     load_pretrained,
     load_tokenizer,
     random_init,
@@ -29,8 +30,8 @@ from jaxrlhf.models.transformer import (
 )
 
 __all__ = [
-    "CheckpointError", "decode_compiler_options", "encode_prompt", "hf_tensor_map", "load_pretrained", "load_tokenizer",
-    "random_init", "save_pretrained", "vocab_major_decode_head",
+    "CheckpointError", "decode_compiler_options", "encode_prompt", "hf_tensor_map", "load_generation_config",
+    "load_pretrained", "load_tokenizer", "random_init", "save_pretrained", "vocab_major_decode_head",
     "HEADS", "KVCache", "REMAT_POLICIES", "ModelConfig", "ModelOutput", "RopeScaling", "Transformer",
     "UnsupportedConfigError", "count_params", "from_hf_config", "grow_cache", "init_cache", "init_params",
     "lm_head_rows", "logical_axes", "positions_from_mask", "project_logits", "score_at_last_token", "stack_layers",

@@ -61,6 +61,13 @@ def _read_json(file: str) -> Any:
         raise CheckpointError(f"{file} is truncated or corrupt: it is not valid JSON ({e})") from e
 
 
+def load_generation_config(path: str | os.PathLike) -> dict:
+    """The folder's `generation_config.json` ({} when it has none); one that is not valid
+    JSON is a `CheckpointError` naming the file."""
+    file = os.path.join(os.fspath(path), "generation_config.json")
+    return _read_json(file) if os.path.isfile(file) else {}
+
+
 def _safe_open(file: str):
     """`safetensors.safe_open(file)` (numpy); a file safetensors cannot read (truncated,
     corrupt header) is a `CheckpointError` naming the file (the shard, when sharded)."""

@@ -11,10 +11,16 @@ file truncated or damaged after it was written) it falls back to the newest olde
 that does, with a warning, and moves the bad step's folder aside (`<step>.corrupt-<n>`,
 never deleted; orbax ignores a folder whose name is not a step) so the run can write that
 step again. When no step restores, nothing is moved and the error names the folder.
+
+A step that lacks a file every restore needs (a deleted `manifest.ocdbt`, an interrupted
+copy) is reported as incomplete, naming the file, before orbax is asked to read it
+(`Checkpointer.incomplete`); the reads that a failed orbax restore leaves in flight report
+only to the debug log (`_quiet_orphaned_reads`), so the user sees the one warning.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -51,13 +57,28 @@ def _is_orphaned_read(unraisable) -> bool:
             ) or (code is not None and "orbax" in code.co_filename)
 
 
-def _quiet_orphaned_reads() -> None:
-    """Routes the orphaned reads of a failed restore (`_is_orphaned_read`) to the debug log.
+class _OrphanedTasks(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for an orbax read or TensorStore open
+    of a failed restore (its error already reported once) goes to the debug log."""
 
-    Orbax gives up on a restore at its first unreadable array while TensorStore's other reads
-    are still running; each reports through `sys.unraisablehook`, hundreds of tracebacks
-    printed after the one line that explains the failure (even at interpreter exit).
-    Installed once, on the first failed restore; every other report goes to the hook as before.
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith("Task exception was never retrieved") and ("orbax" in text or "tensorstore" in text):
+            log.debug("after a failed checkpoint restore: %s", text.splitlines()[-1][:400])
+            return False
+        return True
+
+
+def _quiet_orphaned_reads() -> None:
+    """Routes the orphaned reads of a failed restore (`_is_orphaned_read`, `_OrphanedTasks`)
+    to the debug log.
+
+    Orbax gives up on a restore (or a metadata read) at its first unreadable array while
+    TensorStore's other reads are still running; each reports through `sys.unraisablehook`
+    or asyncio's logger, hundreds of tracebacks printed around the one line that explains
+    the failure (even at interpreter exit). Installed once, before the first restore, as
+    such reports can come before the failure reaches the caller; every other report goes to
+    the hook and the logger as before.
     """
     previous = sys.unraisablehook
     if getattr(previous, "_jaxrlhf_orphaned_reads", False):
@@ -71,6 +92,7 @@ def _quiet_orphaned_reads() -> None:
 
     hook._jaxrlhf_orphaned_reads = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_OrphanedTasks())
 
 
 class Checkpointer:
@@ -106,6 +128,10 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        missing = self.incomplete(step, ("state", "meta"))
+        if missing is not None:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} is incomplete: {missing}")
+        _quiet_orphaned_reads()
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         mismatch = self._shape_mismatch(step, target)
         if mismatch is not None:
@@ -115,12 +141,33 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises several types for unreadable files
-            _quiet_orphaned_reads()
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is corrupt, partial, or does not match the "
                 f"current model/optimizer: {_brief(e)}") from e
         log.info("restored checkpoint %s", self.directory / str(step))
         return step, restored["state"], dict(restored["meta"])
+
+    def incomplete(self, step: int, items: tuple[str, ...]) -> str | None:
+        """Which file of checkpoint `step` that a restore of `items` needs is missing, found
+        without orbax: a pytree item's `_METADATA` (its tree) and, when that says OCDBT,
+        `manifest.ocdbt` (the index of its arrays); the JSON item `meta`'s `metadata`.
+        None when they are all there (a damaged file is left to the restore to report)."""
+        folder = self.directory / str(step)
+        for item in items:
+            if item == "meta":
+                if not (folder / item / "metadata").is_file():
+                    return f"{item}/metadata is missing"
+                continue
+            tree = folder / item / "_METADATA"
+            try:
+                use_ocdbt = json.loads(tree.read_text()).get("use_ocdbt", False)
+            except FileNotFoundError:
+                return f"{item}/_METADATA is missing"
+            except (OSError, ValueError, AttributeError):  # there but damaged: the restore's error says how
+                continue
+            if use_ocdbt and not (folder / item / "manifest.ocdbt").is_file():
+                return f"{item}/manifest.ocdbt is missing"
+        return None
 
     def _shape_mismatch(self, step: int, target: Any) -> str | None:
         """The first tensor whose saved shape differs from `target`'s (from the checkpoint's
@@ -190,10 +237,13 @@ class Checkpointer:
     def restore_best(self, abstract_best: Any, step: int) -> Any:
         """The `best` item of checkpoint `step`, into the structure/shardings of `abstract_best`."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_best)
+        missing = self.incomplete(step, ("best",))
+        if missing is not None:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable best parameters: {missing}")
+        _quiet_orphaned_reads()
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(best=ocp.args.StandardRestore(target)))
         except Exception as e:
-            _quiet_orphaned_reads()
             raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable best parameters "
                                   f"matching the current model: {_brief(e)}") from e
         return restored["best"]

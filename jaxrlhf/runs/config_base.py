@@ -52,13 +52,18 @@ def jsonl_task(**kw) -> mlc.ConfigDict:
     `max_prompt_tokens` tokens (counted); `data.records`. `sft_path` / `pairs_path`: source
     specs of the run's other phases' rows, read as kind "sft" / "pairs" with the same
     field names: the SFT warm start's examples and the reward model's pairs of a GRPO or PPO
-    run on prompts (SFT -> reward model -> PPO, all from files)."""
+    run on prompts (SFT -> reward model -> PPO, all from files). `max_row_bytes`: a row
+    (JSONL line, Parquet/TFDS row's text) of more bytes is bad (`row_too_long`: skipped or
+    an error by `on_error`), found after reading at most this + 1 bytes of it, before it is
+    parsed or tokenized (default 1 MiB); `max_file_bytes`: a larger file is refused
+    (default 10 GiB); 0 = no limit (`data.jsonl`)."""
     return mlc.ConfigDict(dict(dict(
         name="jsonl", kind="prompts", path="", test_path="", data_dir="", seed=0, tokenizer_path="",
         prompt_key="question", answer_key="answer", messages_key="messages", completion_key="completion",
         chosen_key="chosen", rejected_key="rejected", max_prompt_tokens=256, max_response_tokens=512,
         max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip", stop_tokens="", stop_strings="",
-        chat_template_kwargs="", long_prompts="drop", sft_path="", pairs_path=""), **kw))
+        chat_template_kwargs="", long_prompts="drop", sft_path="", pairs_path="",
+        max_row_bytes=2**20, max_file_bytes=10 * 2**30), **kw))  # `records.MAX_ROW_BYTES`, `jsonl.MAX_FILE_BYTES`
 
 
 def word_problems_task(**kw) -> mlc.ConfigDict:

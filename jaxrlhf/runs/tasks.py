@@ -169,14 +169,13 @@ def text_stop_ids(tok, folder: str, stop_tokens: str = "") -> tuple[int, ...]:
     """The ids that end a chat model's response: the tokenizer's EOS, the `eos_token_id`
     (one id or a list, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`) of `folder`'s
     `generation_config.json` if it has one, and `stop_tokens` ("<|eot_id|>,128001": token
-    strings or ids, comma-separated; `task.stop_tokens`), in that order, each once."""
-    import json
-    from pathlib import Path
+    strings or ids, comma-separated; `task.stop_tokens`), in that order, each once. A
+    truncated `generation_config.json` is a `CheckpointError` naming it."""
+    from jaxrlhf.models import load_generation_config
 
     ids = [tok.eos_token_id]
-    gen = Path(folder) / "generation_config.json" if folder else None
-    if gen is not None and gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if folder:
+        eos = load_generation_config(folder).get("eos_token_id")
         ids += eos if isinstance(eos, list) else [eos]
     vocab = tok.get_vocab()
     for item in (s.strip() for s in stop_tokens.split(",")):
@@ -279,6 +278,11 @@ def _file_parser(cfg, tok, kind: str):
         max_response_tokens=cfg.max_response_tokens, source=source, **common)
 
 
+def _bounds(cfg) -> dict:
+    """`task.max_row_bytes` / `task.max_file_bytes` as the readers' limits (0: none)."""
+    return dict(max_row_bytes=cfg.max_row_bytes or None, max_file_bytes=cfg.max_file_bytes or None)
+
+
 def _as_prompts(rows) -> data.PromptData:
     """The prompts of SFT examples or pairs, for held-out evaluation: the reference answer
     is the completion (the first assistant turn) or the chosen response."""
@@ -311,9 +315,9 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
     tok = _tokenizer("jsonl", tokenizer_path)
     parse = _file_parser(cfg, tok, kind)
     test_field = "task.test_path" if cfg.test_path else "task.path"
-    train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed)
+    train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed, **_bounds(cfg))
     test = data.read_mixture(cfg.test_path or cfg.path, parse, data_dir=cfg.data_dir,
-                             seed=cfg.seed + 1, field=test_field)
+                             seed=cfg.seed + 1, field=test_field, **_bounds(cfg))
     source = f"task.path={cfg.path}, task.test_path={cfg.test_path or cfg.path}"
     extra = _other_phases_rows(cfg, tok, kind)
     width = max((len(x) for rows in extra.values() for x in rows.prompt_ids), default=0)
@@ -347,7 +351,7 @@ def _other_phases_rows(cfg, tok, kind: str) -> dict:
             raise ValueError(f"task.{name}_path={spec!r}: this task's own rows are {name} (task.kind={kind!r}, "
                              f"read from task.path); {name}_path gives {name} rows to a task of another kind")
         rows = data.read_mixture(spec, _file_parser(cfg, tok, name), data_dir=cfg.data_dir, seed=cfg.seed,
-                                 field=f"task.{name}_path")
+                                 field=f"task.{name}_path", **_bounds(cfg))
         if not rows.location:
             raise ValueError(f"task.{name}_path={spec!r}: no usable {name} rows ({rows.skipped})")
         out[name] = rows

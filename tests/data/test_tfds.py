@@ -5,6 +5,7 @@ import pytest
 
 from jaxrlhf.data import tfds as data_tfds
 from jaxrlhf.data.char_tokenizer import BOS_ID, CharTokenizer
+from jaxrlhf.data.records import DataError
 
 tfds = pytest.importorskip("tensorflow_datasets")
 
@@ -35,6 +36,13 @@ def test_local_builder_reads_without_tensorflow(tmp_path):
     assert data.prompt_ids == [[BOS_ID] + CharTokenizer().encode("1+2="), [BOS_ID] + CharTokenizer().encode("4+5=")]
     assert data.answer == ["#### 3", "#### 9"]
     assert dict(data.skipped.counts) == {"empty": 1}
+
+    # rows 1 and 3 hold 4 + 6 bytes of text, row 2 6: over max_row_bytes=9, before decoding
+    records = list(data_tfds.load_records(builder=builder, split="train", max_row_bytes=9))
+    assert [r.reason if isinstance(r, DataError) else r["answer"] for _, r in records] == [
+        "row_too_long", "#### 0", "row_too_long"]
+    assert str(records[0][1]) == ("tfds:tiny_math/train:1: field 'answer': the row has 10 bytes of text "
+                                  "(6 in this field), more than max_row_bytes=9")
 
 
 def test_missing_tensorflow_names_what_to_install(monkeypatch):

@@ -269,6 +269,21 @@ def test_truncated_files_are_named(ckpt, ours, tmp_path):
         load_tokenizer(tmp_path / "tok")
 
 
+def test_a_truncated_generation_config_is_named(tmp_path):
+    """A run reads the folder's generation_config.json for its stop ids: a truncated one is a
+    CheckpointError naming the file (as for every other file of the folder), not a bare
+    JSONDecodeError."""
+    from jaxrlhf.data import CharTokenizer
+    from jaxrlhf.runs.tasks import text_stop_ids
+
+    tok, gen = CharTokenizer().to_hf(), tmp_path / "generation_config.json"
+    gen.write_text('{"eos_token_id": [2, 9]}')
+    assert text_stop_ids(tok, str(tmp_path)) == (2, 9)
+    _truncate(gen)
+    with pytest.raises(CheckpointError, match=rf"^{gen} is truncated or corrupt: it is not valid JSON \("):
+        text_stop_ids(tok, str(tmp_path))
+
+
 def test_missing_tensor(ckpt):
     _edit_weights(ckpt, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"model.safetensors: missing tensors \['model.layers.2.mlp.up_proj.weight'\]"):

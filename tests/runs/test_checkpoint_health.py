@@ -6,7 +6,7 @@ and the previous one resumed; `metrics.jsonl` and the TensorBoard events of an i
 and resumed run equal an uninterrupted run's. Through the command line on the tiny GRPO
 config (one blown-up workdir shared, copied where a test changes it): the blow-up's exit
 code, last line and kept checkpoint, a rerun with a sane learning rate, a corrupt newest
-checkpoint, and no checkpoint that restores.
+checkpoint, one without its manifest, and no checkpoint that restores.
 """
 
 from __future__ import annotations
@@ -127,6 +127,28 @@ def test_a_newest_checkpoint_that_does_not_restore_is_moved_aside(tmp_path, capl
     assert sorted(p.name for p in (tmp_path / "run" / "phase").iterdir()) == ["4", "4.corrupt-1", "6"]
     np.testing.assert_array_equal(resumed.params["w"], full.params["w"])
     assert _rows(tmp_path / "run") == _rows(tmp_path / "full")
+
+
+def test_an_incomplete_newest_checkpoint_is_passed_over_before_orbax_reads_it(tmp_path, caplog, capfd, monkeypatch):
+    """Step 4 without its `manifest.ocdbt`: the warning names the missing file, the run
+    resumes from step 2, and orbax is never asked to read step 4 (a restore that fails
+    part-way leaves reads in flight that print "Event loop is closed" tracebacks)."""
+    import orbax.checkpoint as ocp
+
+    with pytest.raises(Preempted):
+        _run(tmp_path, should_stop=lambda step: step == 4)
+    (tmp_path / "phase" / "4" / "state" / "manifest.ocdbt").unlink()
+    asked = []
+    for name in ("restore", "item_metadata"):
+        original = getattr(ocp.CheckpointManager, name)
+        monkeypatch.setattr(ocp.CheckpointManager, name,
+                            lambda self, step, *a, _f=original, **k: asked.append(step) or _f(self, step, *a, **k))
+    with caplog.at_level(logging.WARNING, logger="jaxrlhf"):
+        _run(tmp_path)
+    assert 4 not in asked and 2 in asked
+    assert (f"checkpoint {tmp_path / 'phase' / '4'} does not restore (checkpoint {tmp_path / 'phase' / '4'} is "
+            "incomplete: state/manifest.ocdbt is missing); moved to 4.corrupt-1, resuming from step 2") in caplog.text
+    assert "Event loop is closed" not in capfd.readouterr().err
 
 
 def test_rows_before_resume():
@@ -252,9 +274,25 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_step(blown_up, r
     proc = _train(root / "corrupt", cache=cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "grpo/3 does not restore" in proc.stderr and "moved to 3.corrupt-1, resuming from step 2" in proc.stderr
+    assert "Event loop is closed" not in proc.stderr and "Task exception was never retrieved" not in proc.stderr
     assert (root / "corrupt" / "export").is_dir()
     assert sorted(p.name for p in (root / "corrupt" / "grpo").iterdir()) == ["2", "3", "3.corrupt-1"]
     assert _rows(root / "corrupt") == _rows(root / "rerun")
+
+
+def test_a_newest_checkpoint_without_its_manifest_falls_back_with_one_warning(blown_up, rerun, cache):
+    """grpo/3 without `state/manifest.ocdbt`: stderr has the warning naming the missing file
+    and none of the tracebacks of a failed orbax restore's orphaned reads."""
+    root, _ = blown_up
+    shutil.copytree(root / "rerun", root / "no_manifest")
+    (root / "no_manifest" / "grpo" / "3" / "state" / "manifest.ocdbt").unlink()
+    shutil.rmtree(root / "no_manifest" / "export")
+    proc = _train(root / "no_manifest", cache=cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grpo/3 is incomplete: state/manifest.ocdbt is missing); moved to 3.corrupt-1, resuming from step 2" \
+        in proc.stderr
+    for noise in ("Event loop is closed", "Task exception was never retrieved", "Traceback"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_no_checkpoint_that_restores_is_the_last_line_and_moves_nothing(blown_up, rerun, cache):
