@@ -5,14 +5,18 @@ A failed run ends with exit status 1 and, as the last line on stderr,
 The full traceback goes to the run log `<workdir>/train.log` (`jaxrlhf.runlog`) once the run
 owns its workdir; before that (a bad flag, a config error, a refused start) it is shown
 only with `JAXRLHF_TRACEBACK=1`, which also prints it on stderr for any failure, for
-developers. A SIGTERM (`Preempted`, exit 0) and Ctrl-C pass through unchanged.
+developers. A full disk is named as such, with the checkpoints that are intact. A
+SIGTERM ends with status 0 and a line saying what was kept, Ctrl-C with status 130 and
+`error: interrupted (Ctrl-C) ...` (`jaxrlhf.exits`). Whatever fails, the last line is
+printed: writing the run log is best effort.
 
 - `parse_flags(argv)`: absl's flag parsing (`app.run(main, flags_parser=parse_flags)`)
   with one-line errors: an unknown `--config.a.b.c=` key at any depth names the nearest
   valid keys of that section (`unknown_key`); a config file that is missing or raises
   names the file and the config's own error.
 - `run_main(main, argv)`: runs `main` and turns any exception into the one line
-  (`one_line`) after writing its traceback to the run log.
+  (`one_line`) after writing its traceback to the run log; a `SystemExit` that is not a
+  signal's stop (e.g. `sys.exit` in code the run calls) is a failure too.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Callable, Mapping
 
 from absl import flags
 
-from jaxrlhf import runlog
+from jaxrlhf import exits, runlog
 
 TRACEBACK_ENV = "JAXRLHF_TRACEBACK"
 _MAX_LINE = 600  # characters of an exception's message on the error line
@@ -41,19 +45,32 @@ def _show_traceback() -> bool:
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
+def _end(line: str, status: int) -> None:
+    """Print `line` as the last line on stderr and end the process with `status`.
+
+    Cannot fail: a log handler that cannot flush (a full disk) or a closed stream is passed
+    over. The process ends with `os._exit` after flushing, so that no background thread (e.g.
+    an asynchronous checkpointer) can print after the line or hold the exit up at
+    interpreter shutdown."""
+    try:
+        logging.shutdown()
+    except BaseException:  # noqa: BLE001 - the line comes first
+        pass
+    for stream, text in ((sys.stdout, ""), (sys.stderr, line + "\n")):
+        try:
+            stream.write(text)
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(status)
+
+
 def fail(message: str, *, where: str | None = None) -> None:
     """Print `error: <message> (<where>)` as the last line on stderr and exit with status 1
-    (`where`: where the full traceback is; "" for none worth showing, e.g. a bad flag).
-
-    The process ends with `os._exit` after flushing, so that no background thread (e.g. an
-    asynchronous checkpointer) can print after the error line at interpreter shutdown."""
+    (`where`: where the full traceback is; "" for none worth showing, e.g. a bad flag)."""
     if where is None:
         where = f"set {TRACEBACK_ENV}=1 for the full traceback"
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.write(f"error: {message}" + (f" ({where})" if where else "") + "\n")
-    sys.stderr.flush()
-    os._exit(1)
+    _end(f"error: {message}" + (f" ({where})" if where else ""), 1)
 
 
 def one_line(exc: BaseException) -> str:
@@ -70,18 +87,48 @@ def one_line(exc: BaseException) -> str:
     return first if plain else f"{cls.__name__}: {first}"
 
 
+def _exit_call(exc: SystemExit) -> str:
+    """`sys.exit(3) was called in own_rewards.py:5 (bye)`: a SystemExit from code the run
+    calls, named by where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" in {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    return f"sys.exit({exc.code!r}) was called{where}: the run stopped there, unfinished"
+
+
+def _failure(exc: BaseException) -> tuple[str, str | None]:
+    """(the error line's message, where the full traceback is) of a failure, its traceback
+    written to the run log when it can be (a full disk: the line says so, not the log)."""
+    log_path = runlog.write_failure(exc)  # best effort: None when it could not be written
+    where = f"full traceback in {log_path}" if log_path else None
+    if log_path is None and runlog.path() is not None:
+        where = f"the traceback could not be written to {runlog.path()}; set {TRACEBACK_ENV}=1 to print it"
+    if _show_traceback():
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        where = where or "full traceback above"
+    message = exits.no_space(exc) or (_exit_call(exc) if isinstance(exc, SystemExit) else one_line(exc))
+    return message, where
+
+
 def run_main(main: Callable[[list], Any], argv: list) -> Any:
-    """`main(argv)`, with any exception (not SystemExit, not KeyboardInterrupt) written to
-    the run log with its traceback and reported as one line (`fail`)."""
+    """`main(argv)`, with every way out ending in one last line (`jaxrlhf.exits`): a SIGTERM's
+    stop (status 0, what was kept), Ctrl-C (status 130), and any other exception or
+    SystemExit written to the run log with its traceback and reported as one line (`fail`)."""
     try:
         return main(argv)
-    except Exception as e:  # noqa: BLE001 - the entry point: every failure becomes one line
-        log_path = runlog.write_failure(e)
-        where = f"full traceback in {log_path}" if log_path else None
-        if _show_traceback():
-            traceback.print_exc()
-            where = where or "full traceback above"
-        fail(one_line(e), where=where)
+    except exits.Stopped as stop:
+        line = exits.stopped_line(stop)
+        runlog.note(line)
+        _end(line, 0)
+    except KeyboardInterrupt as interrupt:
+        line = exits.interrupted_line(interrupt)
+        runlog.note(line)
+        _end(line, 130)
+    except BaseException as e:  # noqa: BLE001 - the entry point: every failure becomes one line
+        try:
+            message, where = _failure(e)
+        except BaseException as worse:  # noqa: BLE001 - the handler itself must not fail
+            message, where = f"{one_line(e)} (and reporting it failed: {one_line(worse)})", None
+        fail(message, where=where)
 
 
 # ----------------------------------------------------------------------------- flags

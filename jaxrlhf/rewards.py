@@ -12,7 +12,9 @@ Three kinds of reward, all returning one float per response (`N` responses):
   the sampler had no EOS (see below). `trl_reward` takes a function in TRL's
   `reward_funcs` convention instead, `fn(prompts=..., completions=..., **row_fields)`, and
   `import_reward_fn("mypkg.rewards:correct")` finds one by import path. A host reward that
-  raises, returns a NaN/inf or the wrong number of scores is an error naming it.
+  raises, returns a NaN/inf or the wrong number of scores is an error naming it. A reward
+  function of any kind that calls `sys.exit` is an error naming it, `pkg.mod:fn`
+  (`RewardFunctionError`), and a Ctrl-C that interrupts one says which it was.
 - **Reward models**: a JAX callable `(sequences [N, P + T], attention_mask [N, P + T]) ->
   [N]` on prompt ⧺ response, e.g. `reward_model.score_fn(model, params)`. Traced like a
   JAX reward (the parameters it closes over become constants of the compiled program),
@@ -41,6 +43,7 @@ into one program.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -115,6 +118,29 @@ class Component:
         return self.kind in ("jax", "model")
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function ended the process (`sys.exit`) instead of returning its scores."""
+
+
+def origin(fn: Callable) -> str:
+    """`pkg.mod:fn`, where reward function `fn` (or the function it wraps) is defined."""
+    fn = inspect.unwrap(fn)
+    return f"{getattr(fn, '__module__', None) or '?'}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _call(c: Component, *args):
+    """`c.fn(*args)`, user code: a `sys.exit` inside is a `RewardFunctionError` naming the
+    function, and a Ctrl-C inside a KeyboardInterrupt that names it (the command line's
+    last line)."""
+    try:
+        return c.fn(*args)
+    except SystemExit as e:
+        raise RewardFunctionError(f"reward function {origin(c.fn)} called sys.exit({e.code!r}): a reward "
+                                  "function returns its scores and must not end the process") from e
+    except KeyboardInterrupt as e:
+        raise KeyboardInterrupt(f"while running reward function {origin(c.fn)}") from e
+
+
 def _check_scores(name: str, scores, n: int, host: bool):
     """The `[N]` float scores of reward `name`, or a ValueError saying what came back."""
     shape = np.shape(scores)
@@ -178,13 +204,13 @@ class Reward:
         out = {}
         for c in self.components:
             if c.kind == "jax":
-                scores = c.fn(inputs.response_ids, inputs.response_mask, dict(extras))
+                scores = _call(c, inputs.response_ids, inputs.response_mask, dict(extras))
             elif c.takes_params:
                 if params is None:
                     raise ValueError(f"reward {c.name!r} takes its parameters at call time: pass params=...")
-                scores = c.fn(params, inputs.sequences, inputs.attention_mask)
+                scores = _call(c, params, inputs.sequences, inputs.attention_mask)
             elif c.kind == "model":
-                scores = c.fn(inputs.sequences, inputs.attention_mask)
+                scores = _call(c, inputs.sequences, inputs.attention_mask)
             else:
                 continue
             out[c.name] = _check_scores(c.name, scores, n, host=False)
@@ -211,7 +237,9 @@ class Reward:
             ex = {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in extras.items()}
             ex.setdefault("finished", finished)
             try:
-                scores = c.fn(prompts, responses, ex)
+                scores = _call(c, prompts, responses, ex)
+            except RewardFunctionError:
+                raise
             except Exception as e:  # noqa: BLE001 - any failure of user code, named
                 raise RuntimeError(f"reward {c.name!r} raised {type(e).__name__}: {e}") from e
             try:
@@ -286,6 +314,7 @@ def trl_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: floa
         fields = {k: list(v) for k, v in extras.items() if k != "finished"}
         return fn(prompts=prompts, completions=responses, **fields)
 
+    call.__wrapped__ = fn  # the function that errors name (`origin`)
     return host_reward(call, tokenizer, name=_name(fn, name), weight=weight, eos_id=eos_id)
 
 
@@ -349,5 +378,5 @@ def combine(weighted: Sequence[tuple[float, Any]]) -> Reward:
     return Reward(tuple(parts))
 
 
-__all__ = ["KINDS", "Component", "Reward", "RewardInput", "as_reward", "combine", "host_reward",
-           "import_reward_fn", "jax_reward", "model_reward", "trl_reward"]
+__all__ = ["KINDS", "Component", "Reward", "RewardFunctionError", "RewardInput", "as_reward", "combine",
+           "host_reward", "import_reward_fn", "jax_reward", "model_reward", "origin", "trl_reward"]

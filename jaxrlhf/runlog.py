@@ -12,6 +12,10 @@ refused start leaves the workdir untouched: its traceback is shown only with
 
 In a multi-process job only process 0 writes `train.log` (the other processes' stderr is
 kept by their launcher).
+
+Writing the log never stops a run, nor the report of its failure: when the file cannot be
+written (a full disk), one warning says so on stderr and the lines go on on stderr alone
+(`_RunLog.handleError`), and `note` / `write_failure` return None instead of raising.
 """
 
 from __future__ import annotations
@@ -41,6 +45,23 @@ class _Keep(logging.Handler):
             self.lines.append(self.format(record))
 
 
+class _RunLog(logging.FileHandler):
+    """`train.log`'s handler: a record it cannot write (a full disk) is not a page of
+    "--- Logging error ---" on stderr but one warning, once; the lines are on stderr anyway."""
+
+    failed = False
+
+    def handleError(self, record):
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            try:
+                sys.stderr.write(f"warning: cannot write the run log {self.baseFilename} ({error}); its lines go "
+                                 "to stderr only\n")
+            except Exception:  # noqa: BLE001 - stderr gone too: nothing to tell
+                pass
+
+
 _state: dict = {}  # "keep": the _Keep handler (capture() was called); "file": the FileHandler; "path"
 
 
@@ -64,7 +85,7 @@ def attach(workdir: str | os.PathLike, *, main_process: bool = True) -> Path | N
     if _state.get("path") == path:
         return path
     detach()
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = _RunLog(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FORMAT))
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     handler.stream.write(f"\n===== {stamp} run start: pid {os.getpid()} on {socket.gethostname()}: "
@@ -90,16 +111,24 @@ def path() -> Path | None:
     return _state.get("path")
 
 
-def write_failure(exc: BaseException) -> Path | None:
-    """The full traceback of `exc` appended to the run log; returns its path (None when
-    there is no run log)."""
+def note(text: str) -> Path | None:
+    """`<time> <text>` appended to the run log; returns its path, or None when there is no
+    run log or it cannot be written (a full disk). Never raises: the caller is reporting how
+    the run ended."""
     handler = _state.get("file")
     if handler is None:
         return None
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    handler.stream.write(f"{datetime.datetime.now().isoformat(timespec='seconds')} run failed:\n{text}")
-    handler.flush()
+    try:
+        handler.stream.write(f"{datetime.datetime.now().isoformat(timespec='seconds')} {text}\n")
+        handler.stream.flush()
+    except Exception:  # noqa: BLE001 - OSError (no space), a closed stream
+        return None
     return _state["path"]
 
 
-__all__ = ["LOG_NAME", "attach", "capture", "detach", "path", "write_failure"]
+def write_failure(exc: BaseException) -> Path | None:
+    """The full traceback of `exc` appended to the run log (`note`); its path, or None."""
+    return note("run failed:\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+
+
+__all__ = ["LOG_NAME", "attach", "capture", "detach", "note", "path", "write_failure"]

@@ -18,6 +18,8 @@ summary and export. Such a job needs a `--workdir` that every process can reach.
 A failed run exits with status 1 and ends stderr with one line, `error: <what went wrong,
 naming the key/file/line/tensor>`, and where its full traceback is: `<workdir>/train.log`,
 the run's log (`jaxrlhf.cli`, `jaxrlhf.runlog`); `JAXRLHF_TRACEBACK=1` prints it on stderr.
+SIGTERM stops the run with status 0 and Ctrl-C with status 130, each with a last line
+saying which checkpoints are kept (`jaxrlhf.exits`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import tempfile
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrlhf import cli, runlog
+from jaxrlhf import cli, exits, runlog
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file (optionally :variant).",
                                           lock_config=True)
@@ -45,6 +47,7 @@ _RESUME_WITH_CHANGES = flags.DEFINE_bool(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    exits.install()  # SIGTERM: a clean stop wherever it comes; a second Ctrl-C: at once
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr, force=True)
     for noisy in ("absl", "orbax", "jax._src"):
@@ -64,6 +67,7 @@ def main(argv):
         raise app.UsageError("a multi-process job needs --workdir (a folder every process can reach): the "
                              "processes write one checkpoint together")
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="jaxrlhf_")
+    exits.set_workdir(workdir)  # the last line names its checkpoints
     logging.getLogger("jaxrlhf").info("workdir: %s", workdir)
     train_and_evaluate(_CONFIG.value, workdir, resume_with_changes=_RESUME_WITH_CHANGES.value)
 

@@ -2,8 +2,11 @@
 
 Saves are asynchronous, keep the last N, and are atomic: orbax writes into a temporary
 folder and renames it when complete, so a crash never leaves a checkpoint that looks
-finished. A checkpoint folder that exists but cannot be read is reported with its path
-rather than silently skipped. A checkpoint may hold a third item, `best`: the parameters
+finished; the temporary folder of a save that never finished is removed when the next run
+opens the phase's checkpoints. `close(timeout=...)` waits a bounded time for a save in
+flight (a Ctrl-C's way out), and a full disk is an OSError naming the phase's folder. A
+checkpoint folder that exists but cannot be read is reported with its path rather than
+silently skipped. A checkpoint may hold a third item, `best`: the parameters
 of the best evaluation so far when a phase keeps them (`train.keep_best`, `runs.stopping`).
 
 `restore_newest` is what a resuming run calls: when the newest step does not restore (a
@@ -20,15 +23,20 @@ only to the debug log (`_quiet_orphaned_reads`), so the user sees the one warnin
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
+import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrlhf import exits
 from jaxrlhf.parallel import distributed
 
 log = logging.getLogger("jaxrlhf")
@@ -105,8 +113,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self._closing = False
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=dict(
             state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler(),
             best=ocp.StandardCheckpointHandler()))
@@ -118,10 +127,23 @@ class Checkpointer:
         items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         if best is not None:
             items["best"] = ocp.args.StandardSave(best)
-        self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        with self._writing():  # an earlier save's failure surfaces here too
+            self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._writing():
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A full disk while a checkpoint is written is an OSError naming the phase's folder
+        (orbax's own errors do not say which)."""
+        try:
+            yield
+        except Exception as e:
+            if exits.full_disk(e) is not None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory)) from e
+            raise
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[int, Any, dict]:
         """Restore `step` (default: latest) into the structure/shardings of `abstract_state`."""
@@ -248,6 +270,25 @@ class Checkpointer:
                                   f"matching the current model: {_brief(e)}") from e
         return restored["best"]
 
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+    def close(self, *, timeout: float | None = None) -> bool:
+        """Wait for the save in flight, then close; a second call does nothing. With
+        `timeout`, waits at most that many seconds (in a daemon thread, which never holds
+        the process up) and returns False when the save is still running."""
+        if self._closing:
+            return True
+        self._closing = True
+        if timeout is None:
+            self.wait()
+            self._manager.close()
+            return True
+        waiter = threading.Thread(target=self._close_quietly, name="jaxrlhf-checkpoint-close", daemon=True)
+        waiter.start()
+        waiter.join(timeout)
+        return not waiter.is_alive()
+
+    def _close_quietly(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        except Exception as e:  # noqa: BLE001 - on the way out of an interrupted run: said, not raised
+            log.warning("checkpoints in %s: the save in flight failed: %s", self.directory, _brief(e))

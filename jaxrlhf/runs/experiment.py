@@ -17,7 +17,9 @@ phase checkpoints under `workdir/<phase>/` and a rerun with the
 same workdir resumes; the run holds the workdir's lock, and its config must be the one that
 started the workdir (`runs.workdir`: `run.lock`, `run.json`).
 The run ends with a before/after table of held-out accuracy, sample outputs, and (if
-`train.export`) a Hugging Face folder `workdir/export/` with the final policy. Every row of
+`train.export`) a Hugging Face folder `workdir/export/` with the final policy, written
+whole into a temporary `workdir/.export.tmp-*` and renamed into place (an interrupted
+export removes it; one killed outright is removed by the next run). Every row of
 the table (start, after SFT, after the last phase) and every periodic evaluation
 (`train.eval_every`) is one call of `tasks.make_accuracy_fn`: greedy exact match and
 reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@k`,
@@ -49,16 +51,20 @@ current mesh, so a run can resume on another mesh or device count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import jax
 import ml_collections as mlc
 
-from jaxrlhf import runlog
+from jaxrlhf import exits, runlog
 from jaxrlhf.models import lora, peft_export, quant, save_pretrained
+from jaxrlhf.models.checkpoint import move_into_place
 from jaxrlhf.runs import phases, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
@@ -108,19 +114,51 @@ def _export_merged(model, params, path: Path, tokenizer=None):
     return plain, params
 
 
-def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None) -> None:
-    """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
-    weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
-    `base_path` (the checkpoint the phase started from), or else (an SFT warm start changed
-    it, or QLoRA quantised it) the base written to `path/peft/base`, de-quantised."""
+def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None, final: Path | None = None) -> None:
+    """The policy as a Hugging Face folder at `path` (to be renamed `final`, default `path`).
+    With LoRA adapters: merged into the weights there, and the adapters alone as a PEFT
+    folder `path/peft` for their base — `base_path` (the checkpoint the phase started from),
+    or else (an SFT warm start changed it, or QLoRA quantised it) the base written to
+    `path/peft/base`, de-quantised, and recorded as `final/peft/base`."""
     quantized = quant.has_quantized(params)
     plain, params = _export_merged(model, params, path, tokenizer)
     if not lora.has_adapters(params):
         return
     if not base_path or quantized:
-        base_path = str(path / "peft" / "base")
-        save_pretrained(plain, lora.without_adapters(params), base_path, tokenizer=tokenizer, overwrite=True)
+        save_pretrained(plain, lora.without_adapters(params), path / "peft" / "base", tokenizer=tokenizer,
+                        overwrite=True)
+        base_path = str((final or path) / "peft" / "base")
     peft_export.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)
+
+
+@contextlib.contextmanager
+def _exporting(workdir: Path):
+    """The folder to write the export into: `.export.tmp-*/export` in `workdir`, renamed to
+    `workdir/export` when the block ends (the previous export replaced only then). The
+    temporary folder is removed on every way out, a signal's included."""
+    tmp = Path(tempfile.mkdtemp(prefix=".export.tmp-", dir=workdir))
+    try:
+        yield tmp / "export"
+        exits.signal_at("export")  # test hook
+        move_into_place(tmp / "export", workdir / "export")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_exports(workdir: Path) -> None:
+    """The temporary folders of an export that was killed before it could clean up."""
+    for stale in sorted([*workdir.glob(".export.tmp-*"), *workdir.glob(".export.old-*")]):
+        log.info("removing %s, left by an interrupted export", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _evaluating(accuracy):
+    """`accuracy` (`tasks.make_accuracy_fn`) with the test hook `exits.signal_at("eval")` first."""
+    def evaluate(params, **kwargs):
+        exits.signal_at("eval")
+        return accuracy(params, **kwargs)
+
+    return evaluate
 
 
 def _starting_from(stops: dict, phase: str, evaluation: dict):
@@ -184,6 +222,8 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
     """The phases, the summary table and the export, in a workdir this run holds."""
     main = jax.process_index() == 0
     runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
+    if main:
+        _remove_stale_exports(workdir)
     task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
     if config.algorithm == "grpo" and config.grpo.guide_coef > 0:  # a task without references: before any phase
         task.reference_keys(f"grpo.guide_coef={config.grpo.guide_coef}")
@@ -196,8 +236,9 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters
     adapted = validation.lora_phases(config)
-    accuracy = make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size, placement=placement,
-                                sampled=sampled, seed=config.seed, slots=config.train.eval_slots)
+    accuracy = _evaluating(make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size,
+                                            placement=placement, sampled=sampled, seed=config.seed,
+                                            slots=config.train.eval_slots))
     rng = jax.random.key(config.seed)
     run = None
     if config.train.wandb and main:
@@ -220,6 +261,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
             rows.append(("start", accuracy(params)))
             params, _ = phases.sft_phase(config.sft, config.train, rng=jax.random.fold_in(rng, 1),
                                          early_stop=_starting_from(stops, "sft", rows[-1][1]), **policy("sft", 1))
+            exits.signal_at("between_phases")  # test hook
         rl_start = "after SFT" if config.sft.steps > 0 else "start"
         if config.algorithm == "grpo":
             rows.append((rl_start, accuracy(params)))
@@ -237,6 +279,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
             trunk = params
             if config.reward_model.get("sft_steps", 0) > 0:  # the reward model's own, further-trained trunk
                 trunk = _reward_model_trunk(config, params, common, rng=jax.random.fold_in(rng, 6))
+                exits.signal_at("between_phases")  # test hook
                 extras["reward_model_trunk"] = accuracy(trunk)
                 log.info("reward model trunk after %d more SFT steps: held-out exact match %.3f",
                          config.reward_model.sft_steps, extras["reward_model_trunk"]["accuracy"])
@@ -245,6 +288,7 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                 policy_params=params, trunk_params=trunk, task=task,
                 workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
                 placement=placement, early_stop=stops.get("reward_model"))
+            exits.signal_at("between_phases")  # test hook
             extras["reward_model_heldout"] = rm_eval
             log.info("reward model held-out: %s", ", ".join(f"{k}={v:.4g}" for k, v in rm_eval.items()))
             if {"reward_model", "ppo"} <= set(adapted):  # its frozen trunk is a copy of the actor's base:
@@ -274,16 +318,19 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                 if main:
                     tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
                     warm_started = config.algorithm != "sft" and config.sft.steps > 0
-                    _export_policy(model, host_params, workdir / "export", tokenizer,
-                                   base_path=None if warm_started else config.model.path)
+                    with _exporting(workdir) as out:
+                        _export_policy(model, host_params, out, tokenizer, final=workdir / "export",
+                                       base_path=None if warm_started else config.model.path)
         elif config.train.export:
             host_params = placement.fetch(rm_params)
-            if main and config.reward_model.get("ensemble", 1) > 1:  # stacked members: one folder each
-                for k in range(config.reward_model.ensemble):
-                    member = jax.tree.map(lambda x: x[k], host_params)
-                    _export_merged(rm_model, member, workdir / "export" / f"member{k}")
-            elif main:
-                _export_merged(rm_model, host_params, workdir / "export")
+            if main:
+                with _exporting(workdir) as out:
+                    if config.reward_model.get("ensemble", 1) > 1:  # stacked members: one folder each
+                        for k in range(config.reward_model.ensemble):
+                            member = jax.tree.map(lambda x: x[k], host_params)
+                            _export_merged(rm_model, member, out / f"member{k}")
+                    else:
+                        _export_merged(rm_model, host_params, out)
     finally:
         writer.close()
     text = _print_summary(rows, samples, time.perf_counter() - start, show=main, sampled=sampled)

@@ -8,7 +8,10 @@ that step, RNG folded with the step, a tqdm bar with live metrics, metrics to
 is saved), the update guard (`runs.health`: a state that is not finite or whose
 parameters' norm jumped stops the run before it is saved), periodic evaluation, early
 stopping on a held-out metric (`runs.stopping`, optionally ending with the best
-evaluation's parameters), and SIGTERM (preemption) saving a checkpoint before a clean exit.
+evaluation's parameters), and SIGTERM (preemption) saving a checkpoint before a clean exit:
+one that comes anywhere in the phase (its restore, a step, an evaluation, a save, the last
+save) stops it after the step in progress, saved. A Ctrl-C waits at most `SAVE_WAIT_S` for
+a checkpoint save in flight.
 
 In a multi-process job every process runs the loop in lockstep (steps, evaluations and
 checkpoint saves are collective): metrics are read replicated, only process 0 writes them,
@@ -29,6 +32,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrlhf import exits
 from jaxrlhf.algorithms import timing
 from jaxrlhf.monitor import HealthMonitor, NonFiniteError
 from jaxrlhf.parallel import distributed
@@ -41,11 +45,15 @@ from jaxrlhf.runs.stopping import EarlyStop, copy_params
 log = logging.getLogger("jaxrlhf")
 
 
-class Preempted(SystemExit):
+# Seconds a Ctrl-C waits for a checkpoint save in flight before the run stops without it.
+SAVE_WAIT_S = 20
+
+
+class Preempted(exits.Stopped):
     """Raised after a SIGTERM-triggered checkpoint: exit code 0, the run resumes later."""
 
     def __init__(self, step: int):
-        super().__init__(0)
+        super().__init__("SIGTERM")
         self.step = step
 
 
@@ -93,13 +101,14 @@ class PhaseConfig:
 
 
 class _SigtermFlag:
-    """Turns SIGTERM into a flag the loop polls between steps (main thread only)."""
+    """Turns SIGTERM into a flag the loop polls between steps (main thread only), from
+    `install()` to `restore()` (the handler before is put back)."""
 
     def __init__(self):
         self.raised = False
         self._previous = None
 
-    def __enter__(self):
+    def install(self) -> "_SigtermFlag":
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread: leave signals alone
@@ -110,7 +119,7 @@ class _SigtermFlag:
         log.warning("SIGTERM received: saving a checkpoint after this step, then exiting")
         self.raised = True
 
-    def __exit__(self, *exc):
+    def restore(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
 
@@ -206,6 +215,9 @@ def run_phase(
     guard = UpdateGuard(phase.name, params_of or (lambda whole: whole), max_norm_change=phase.max_param_norm_change)
     ckpt = Checkpointer(Path(workdir) / phase.name, max_to_keep=phase.keep_checkpoints)
     bar = None
+    # From here to the phase's last save, a SIGTERM (in its restore, a step, an evaluation, a
+    # save) is a flag: the phase stops after the step in progress, saved, or after its final save.
+    sigterm = _SigtermFlag().install()
     try:  # closes the checkpointer on every way out, a failed restore included
         start, state, best, stopped_at = _resume(phase, ckpt, state, batches, guard, early_stop, params_of)
         end = phase.num_steps if stopped_at is None else start  # an early-stopped phase is finished
@@ -225,69 +237,78 @@ def run_phase(
         where_time_goes = TimeSplit()
         bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name,
                    disable=not (phase.progress and writer.enabled), dynamic_ncols=True, mininterval=1.0)
-        with _SigtermFlag() as sigterm:
-            for step in range(start, end):
-                t0 = time.perf_counter()
-                batch = batches.next_batch()
-                with CompileCounter() as compiles:
-                    state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
-                    metrics = to_python(distributed.gather(metrics))
-                metrics[timing.STEP_S] = time.perf_counter() - t0
-                metrics[timing.COMPILES] = compiles.count  # XLA compilations of this step: 0 after the first
-                where_time_goes.add(metrics)
-                done = step + 1
-                if monitor is not None:
-                    monitor.check(metrics, done)  # raises NonFiniteError before any save
-                elif not all(np.isfinite(v) for v in metrics.values() if isinstance(v, float)):
-                    raise NonFiniteError(done, [k for k, v in metrics.items()
-                                                if isinstance(v, float) and not np.isfinite(v)])
-                # The metrics were computed before the update: the new state is checked itself.
-                guard.check(state, done, last_saved=saved)  # raises UnhealthyUpdateError before any save
-                finished = done == phase.num_steps
-                if eval_fn is not None and phase.eval_every and (done % phase.eval_every == 0):
-                    evaluation = to_python(eval_fn(state))
-                    metrics.update({f"eval/{k}": v for k, v in evaluation.items()})
-                    if early_stop is not None:
-                        # Every process sees the same (replicated) evaluation: the same decision.
-                        if early_stop.update(done, evaluation) and keep_best:
-                            best = copy_params(params_of(state))
-                        if early_stop.should_stop and not finished:
-                            finished, early_stop.stopped_at = True, done
-                            log.info("%s: stopping early at step %d of %d: eval/%s has not improved on %.4g "
-                                     "(step %d) for %d evaluations", phase.name, done, phase.num_steps,
-                                     early_stop.metric, early_stop.best_value, early_stop.best_step,
-                                     early_stop.evals_since_best)
-                if finished and early_stop is not None and early_stop.best_step is not None:
-                    metrics.update({"early_stop/best_step": early_stop.best_step,
-                                    "early_stop/best_value": early_stop.best_value})
-                    if keep_best and early_stop.best_step != done:
-                        state = with_params(state, best)
-                        log.info("%s: ending with the parameters of step %d (eval/%s %.4g), not step %d's",
-                                 phase.name, early_stop.best_step, early_stop.metric, early_stop.best_value, done)
-                if done % phase.log_every == 0 or finished:
-                    writer.write(done, metrics, phase=phase.name)
-                bar.update(1)
-                bar.set_postfix({k: f"{metrics[k]:.4g}" for k in phase.show if k in metrics}, refresh=False)
-                last = metrics
-                stop = distributed.any_process(sigterm.raised or (should_stop is not None and should_stop(done)))
-                if done % phase.checkpoint_every == 0 or finished or stop:
-                    meta = {"data": batches.position, "step": done, **(extra_meta(state) if extra_meta else {})}
-                    keep = None if finished else best  # a finished state already holds the best
-                    if early_stop is not None:
-                        meta.update(early_stop=early_stop.state_dict(), best_saved=keep is not None)
-                        if early_stop.stopped_at is not None:
-                            meta["stopped_early_at"] = early_stop.stopped_at
-                    ckpt.save(done, state, meta, best=keep, force=True)
-                    saved = done
-                if finished:
-                    break
-                if stop:
-                    ckpt.wait()
-                    raise Preempted(done)
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            batch = batches.next_batch()
+            with CompileCounter() as compiles:
+                state, metrics = step_fn(state, batch, jax.random.fold_in(rng, step))
+                metrics = to_python(distributed.gather(metrics))
+            metrics[timing.STEP_S] = time.perf_counter() - t0
+            metrics[timing.COMPILES] = compiles.count  # XLA compilations of this step: 0 after the first
+            where_time_goes.add(metrics)
+            done = step + 1
+            if monitor is not None:
+                monitor.check(metrics, done)  # raises NonFiniteError before any save
+            elif not all(np.isfinite(v) for v in metrics.values() if isinstance(v, float)):
+                raise NonFiniteError(done, [k for k, v in metrics.items()
+                                            if isinstance(v, float) and not np.isfinite(v)])
+            # The metrics were computed before the update: the new state is checked itself.
+            guard.check(state, done, last_saved=saved)  # raises UnhealthyUpdateError before any save
+            finished = done == phase.num_steps
+            if eval_fn is not None and phase.eval_every and (done % phase.eval_every == 0):
+                evaluation = to_python(eval_fn(state))
+                metrics.update({f"eval/{k}": v for k, v in evaluation.items()})
+                if early_stop is not None:
+                    # Every process sees the same (replicated) evaluation: the same decision.
+                    if early_stop.update(done, evaluation) and keep_best:
+                        best = copy_params(params_of(state))
+                    if early_stop.should_stop and not finished:
+                        finished, early_stop.stopped_at = True, done
+                        log.info("%s: stopping early at step %d of %d: eval/%s has not improved on %.4g "
+                                 "(step %d) for %d evaluations", phase.name, done, phase.num_steps,
+                                 early_stop.metric, early_stop.best_value, early_stop.best_step,
+                                 early_stop.evals_since_best)
+            if finished and early_stop is not None and early_stop.best_step is not None:
+                metrics.update({"early_stop/best_step": early_stop.best_step,
+                                "early_stop/best_value": early_stop.best_value})
+                if keep_best and early_stop.best_step != done:
+                    state = with_params(state, best)
+                    log.info("%s: ending with the parameters of step %d (eval/%s %.4g), not step %d's",
+                             phase.name, early_stop.best_step, early_stop.metric, early_stop.best_value, done)
+            if done % phase.log_every == 0 or finished:
+                writer.write(done, metrics, phase=phase.name)
+            bar.update(1)
+            bar.set_postfix({k: f"{metrics[k]:.4g}" for k in phase.show if k in metrics}, refresh=False)
+            last = metrics
+            stop = distributed.any_process(sigterm.raised or (should_stop is not None and should_stop(done)))
+            if done % phase.checkpoint_every == 0 or finished or stop:
+                meta = {"data": batches.position, "step": done, **(extra_meta(state) if extra_meta else {})}
+                keep = None if finished else best  # a finished state already holds the best
+                if early_stop is not None:
+                    meta.update(early_stop=early_stop.state_dict(), best_saved=keep is not None)
+                    if early_stop.stopped_at is not None:
+                        meta["stopped_early_at"] = early_stop.stopped_at
+                ckpt.save(done, state, meta, best=keep, force=True)
+                saved = done
+                exits.signal_at("save")  # test hook
+            if finished:
+                break
+            if stop:
+                ckpt.wait()
+                raise Preempted(done)
+    except KeyboardInterrupt:
+        # Ctrl-C: a save in flight gets a bounded wait, never a hang on orbax's threads.
+        if not ckpt.close(timeout=SAVE_WAIT_S):
+            log.warning("%s: Ctrl-C: the checkpoint save in flight did not finish within %d s; left unfinished "
+                        "(the next run removes it)", phase.name, SAVE_WAIT_S)
+        raise
     finally:
         if bar is not None:
             bar.close()
         ckpt.close()
+        sigterm.restore()
+    if distributed.any_process(sigterm.raised):  # after the last step's save: it is written
+        raise Preempted(saved or start)
     if where_time_goes.steps:
         log.info("%s: %s", phase.name, where_time_goes.describe())
     return state, last
