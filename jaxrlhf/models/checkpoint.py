@@ -45,7 +45,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 class CheckpointError(ValueError):
-    """A checkpoint folder is missing, unsafe, or does not match its config."""
+    """A checkpoint is missing, unsafe, corrupt, partial, or does not match what reads it:
+    a Hugging Face folder and its config (here), or a run's training checkpoint and the
+    current state (`runs.checkpointing`)."""
 
 
 # ----------------------------------------------------------------------------- reading

@@ -37,13 +37,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrlhf import exits
+from jaxrlhf.models.checkpoint import CheckpointError
 from jaxrlhf.parallel import distributed
 
 log = logging.getLogger("jaxrlhf")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint exists but is corrupt, partial, or does not fit the current state."""
 
 
 def _brief(error: BaseException, limit: int = 400) -> str:
