@@ -207,7 +207,7 @@ def _read_record(path: Path) -> dict:
                            "this run's config become the workdir's") from None
 
 
-def check_config(workdir: Path, config, *, resume_with_changes: bool = False) -> list[Change]:
+def record_config(workdir: Path, config, *, resume_with_changes: bool = False) -> list[Change]:
     """Compare `config` with the one recorded in `workdir` and record it where it may run.
 
     Returns the changes accepted; raises `WorkdirError` (writing nothing) for a change that
@@ -408,7 +408,7 @@ def claim(workdir: str | Path, config, *, resume_with_changes: bool = False) -> 
             workdir.mkdir(parents=True, exist_ok=True)
             lock = WorkdirLock.acquire(workdir / LOCK_FILE)
             try:
-                accepted = check_config(workdir, config, resume_with_changes=resume_with_changes)
+                accepted = record_config(workdir, config, resume_with_changes=resume_with_changes)
             except BaseException:
                 lock.release()
                 raise

@@ -87,23 +87,23 @@ def _snapshot(root: Path) -> dict:
                                        p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_check_config_records_refuses_and_accepts(tmp_path, caplog):
-    W.check_config(tmp_path, _config())  # first start: recorded
+def test_record_config_records_refuses_and_accepts(tmp_path, caplog):
+    W.record_config(tmp_path, _config())  # first start: recorded
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["hash"] == W.record_of(_config())["hash"]
     changed = _config(**{"train.log_every": 3})
-    assert W.check_config(tmp_path, changed) == []  # no results yet: nothing depends on the record
+    assert W.record_config(tmp_path, changed) == []  # no results yet: nothing depends on the record
     assert json.loads((tmp_path / "run.json").read_text())["settings"]["train.log_every"] == 3
     (tmp_path / "sft" / "4").mkdir(parents=True)  # a checkpoint
     before = _snapshot(tmp_path)
     with pytest.raises(W.WorkdirError, match=r"train.log_every: 3 -> 5\. These keys are safe to change: rerun "
                                              r"with --resume_with_changes"):
-        W.check_config(tmp_path, _config(**{"train.log_every": 5}))
+        W.record_config(tmp_path, _config(**{"train.log_every": 5}))
     with pytest.raises(W.WorkdirError, match=r"not safe: seed: 0 -> 1\. Use a new --workdir"):
-        W.check_config(tmp_path, _config(**{"seed": 1, "train.log_every": 5}), resume_with_changes=True)
+        W.record_config(tmp_path, _config(**{"seed": 1, "train.log_every": 5}), resume_with_changes=True)
     assert _snapshot(tmp_path) == before
     with caplog.at_level(logging.WARNING, "jaxrlhf"):
-        accepted = W.check_config(tmp_path, _config(**{"train.log_every": 5}), resume_with_changes=True)
+        accepted = W.record_config(tmp_path, _config(**{"train.log_every": 5}), resume_with_changes=True)
     assert [str(c) for c in accepted] == ["train.log_every: 3 -> 5"]
     assert "resuming with train.log_every: 3 -> 5" in caplog.text
     record = json.loads((tmp_path / "run.json").read_text())
@@ -114,12 +114,12 @@ def test_check_config_records_refuses_and_accepts(tmp_path, caplog):
 def test_a_workdir_without_a_record_is_accepted_with_a_warning_and_a_broken_record_is_an_error(tmp_path, caplog):
     (tmp_path / "grpo" / "3").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, "jaxrlhf"):
-        W.check_config(tmp_path, _config())
+        W.record_config(tmp_path, _config())
     assert "results of an earlier version without a config record" in caplog.text
     assert (tmp_path / "run.json").exists()
     (tmp_path / "run.json").write_text('{"format": 1, "hash"')
     with pytest.raises(W.WorkdirError, match=r"run.json is unreadable .*delete it"):
-        W.check_config(tmp_path, _config())
+        W.record_config(tmp_path, _config())
 
 
 def _dead_pid() -> int:
