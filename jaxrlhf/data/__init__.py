@@ -49,7 +49,7 @@ from jaxrlhf.data.records import (
     sft_from_records,
 )
 from jaxrlhf.data.sources import parse_spec, read_mixture
-from jaxrlhf.data.rewards import exact_match, exact_match_reward, token_match_fraction, token_match_reward
+from jaxrlhf.data.token_rewards import exact_match, exact_match_reward, token_match_fraction, token_match_reward
 from jaxrlhf.data.text_rewards import (
     answer_format_reward,
     decode_responses,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxrlhf.data import batching, rewards
+from jaxrlhf.data import batching, token_rewards
 
 from jaxrlhf.data import arithmetic as ar
 from jaxrlhf.data.char_tokenizer import BOS_ID, CharTokenizer
@@ -85,12 +85,12 @@ def test_whole_set_arrays_fit_and_perfect_answers_score_one():
     assert all(np.array_equal(sft[k][5:6], row[k]) for k in row)
     rl = ar.rl_arrays(task, problems)
     # The SFT targets are exactly the responses the reward accepts.
-    score = rewards.exact_match_reward(sft["response_ids"], sft["response_mask"], rl["answer_ids"], rl["answer_mask"])
+    score = token_rewards.exact_match_reward(sft["response_ids"], sft["response_mask"], rl["answer_ids"], rl["answer_mask"])
     np.testing.assert_array_equal(score, np.ones(64))
     # The references GRPO's guidance learns are the SFT responses.
     np.testing.assert_array_equal(rl["reference_ids"], sft["response_ids"])
     np.testing.assert_array_equal(rl["reference_mask"], sft["response_mask"])
     pairs = ar.make_preference_pairs(task, problems, seed=1)
     pref = ar.preference_arrays(task, pairs)
-    score = rewards.exact_match_reward(pref["rejected_ids"], pref["rejected_mask"], rl["answer_ids"], rl["answer_mask"])
+    score = token_rewards.exact_match_reward(pref["rejected_ids"], pref["rejected_mask"], rl["answer_ids"], rl["answer_mask"])
     np.testing.assert_array_equal(score, np.zeros(64))

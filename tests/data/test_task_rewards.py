@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf.data import rewards, text_rewards
+from jaxrlhf.data import text_rewards, token_rewards
 from jaxrlhf.data.batching import right_pad
 from jaxrlhf.data.char_tokenizer import EOS_ID, CharTokenizer
 
@@ -29,13 +29,13 @@ def test_hand_made_cases():
     ]
     response_ids, response_mask = _pad(resp, 6)
     args = (response_ids, response_mask, answer_ids, answer_mask)
-    np.testing.assert_array_equal(jax.jit(rewards.exact_match_reward)(*args), [1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(jax.jit(token_rewards.exact_match_reward)(*args), [1, 1, 0, 0, 0, 0])
     np.testing.assert_allclose(
-        jax.jit(rewards.token_match_reward)(*args), [1, 1, 2 / 3, 2 / 3, 1 / 3, 0], rtol=1e-6)
+        jax.jit(token_rewards.token_match_reward)(*args), [1, 1, 2 / 3, 2 / 3, 1 / 3, 0], rtol=1e-6)
     # The EOS must be inside the mask: the same ids with the mask cut before EOS score 0.
     cut_mask = response_mask.copy()
     cut_mask[0, 2] = False
-    assert rewards.exact_match_reward(response_ids, cut_mask, answer_ids, answer_mask)[0] == 0
+    assert token_rewards.exact_match_reward(response_ids, cut_mask, answer_ids, answer_mask)[0] == 0
 
 
 def _random_case(rng, B, T, A, vocab):
@@ -65,14 +65,14 @@ TEXT_IDS = np.array([E, *range(4, 20)])
 @pytest.mark.parametrize("T", [2, 5, 9])  # shorter than, equal to and longer than A + 1
 def test_jitted_rewards_equal_host_versions_on_random_cases(T):
     rng = np.random.default_rng(T)
-    exact_fn = jax.jit(rewards.exact_match_reward)
-    partial_fn = jax.jit(rewards.token_match_reward)
+    exact_fn = jax.jit(token_rewards.exact_match_reward)
+    partial_fn = jax.jit(token_rewards.token_match_reward)
     tok = CharTokenizer()
     for _ in range(3):
         args = _random_case(rng, B=64, T=T, A=4, vocab=ALL_IDS)
         exact = np.asarray(exact_fn(*args))
-        np.testing.assert_array_equal(exact, rewards.exact_match(*args))
-        np.testing.assert_allclose(partial_fn(*args), rewards.token_match_fraction(*args), rtol=1e-6)
+        np.testing.assert_array_equal(exact, token_rewards.exact_match(*args))
+        np.testing.assert_allclose(partial_fn(*args), token_rewards.token_match_fraction(*args), rtol=1e-6)
         assert np.all((np.asarray(partial_fn(*args)) == 1.0) == (exact == 1.0))
 
         args = _random_case(rng, B=64, T=T, A=4, vocab=TEXT_IDS)
@@ -85,10 +85,10 @@ def test_jitted_rewards_equal_host_versions_on_random_cases(T):
 def test_extra_padding_changes_nothing():
     args = _random_case(np.random.default_rng(0), B=32, T=6, A=3, vocab=ALL_IDS)
     wider = (*_pad([r[m].tolist() for r, m in zip(args[0], args[1])], 11), args[2], args[3])
-    for fn in (rewards.exact_match_reward, rewards.token_match_reward):
+    for fn in (token_rewards.exact_match_reward, token_rewards.token_match_reward):
         np.testing.assert_array_equal(fn(*args), fn(*wider))
 
 
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="batch sizes differ"):
-        rewards.exact_match_reward(np.zeros((2, 3)), np.ones((2, 3)), np.zeros((3, 2)), np.ones((3, 2)))
+        token_rewards.exact_match_reward(np.zeros((2, 3)), np.ones((2, 3)), np.zeros((3, 2)), np.ones((3, 2)))
