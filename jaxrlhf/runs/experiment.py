@@ -11,7 +11,8 @@
 - `reward_model`: Bradley–Terry reward model on preference pairs.
 
 Every phase's counts and batch shapes are checked against the mesh before any work
-(`runs.validation`), and the Python rewards of the `reward` section are imported then too
+(`runs.validation`), and the task is built then too, its tokenizer-dependent options
+checked (`tasks.build_task`), with the Python rewards of the `reward` section imported
 (`tasks.python_rewards`; they join the task's reward, `tasks.with_python_rewards`). Each
 phase checkpoints under `workdir/<phase>/` and a rerun with the
 same workdir resumes; the run holds the workdir's lock, and its config must be the one that
@@ -213,23 +214,33 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     log.info("%s", placement.describe())
+    task = _task(config)  # its options (stop tokens and strings, template variables and names), before any work
     with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels():
-        return _run(config, Path(workdir), placement=placement, sampled=sampled, stops=stops, start=start,
+        return _run(config, Path(workdir), task=task, placement=placement, sampled=sampled, stops=stops, start=start,
                     should_stop=should_stop)
 
 
-def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop) -> dict:
-    """The phases, the summary table and the export, in a workdir this run holds."""
-    main = jax.process_index() == 0
-    runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
-    if main:
-        _remove_stale_exports(workdir)
+def _task(config):
+    """The run's task with the Python rewards of `config.reward`, built before the workdir is
+    claimed so that a bad task option (`task.stop_tokens` against the tokenizer,
+    `task.stop_strings`, `task.chat_template_kwargs`, a chat template name that would write
+    outside the export, a data file) stops the run with nothing written. Its log lines wait
+    for `train.log` (`runlog.capture`)."""
     task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
     if config.algorithm == "grpo" and config.grpo.guide_coef > 0:  # a task without references: before any phase
         task.reference_keys(f"grpo.guide_coef={config.grpo.guide_coef}")
     if len(task.stop_ids) > 1:
         log.info("responses end at any of the token ids %s (%s)", list(task.stop_ids),
                  ", ".join(repr(task.tokenizer.convert_ids_to_tokens(i)) for i in task.stop_ids))
+    return task
+
+
+def _run(config, workdir: Path, *, task, placement, sampled, stops, start, should_stop) -> dict:
+    """The phases, the summary table and the export, in a workdir this run holds."""
+    main = jax.process_index() == 0
+    runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
+    if main:
+        _remove_stale_exports(workdir)
     folder_rm = reward_folder.load(config.get("reward"), config.model, tokenizer=task.tokenizer,
                                    policy_vocab=task.vocab_size, placement=placement)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
