@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -115,12 +116,23 @@ def _export_merged(model, params, path: Path, tokenizer=None):
     return plain, params
 
 
-def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None, final: Path | None = None) -> None:
-    """The policy as a Hugging Face folder at `path` (to be renamed `final`, default `path`).
-    With LoRA adapters: merged into the weights there, and the adapters alone as a PEFT
-    folder `path/peft` for their base — `base_path` (the checkpoint the phase started from),
-    or else (an SFT warm start changed it, or QLoRA quantised it) the base written to
-    `path/peft/base`, de-quantised, and recorded as `final/peft/base`."""
+def _absolute(path: str) -> str:
+    """A local folder as an absolute path ("" stays ""): the PEFT export's base when it is
+    the user's own `model.path`, valid from wherever the export is loaded."""
+    return os.path.abspath(path) if path else ""
+
+
+PEFT_BASE = "./base"  # a base saved inside the PEFT folder, as its adapter_config.json names it
+
+
+def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None) -> None:
+    """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
+    weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
+    `base_path` (the checkpoint the phase started from: `model.path`, absolute), or else (an
+    SFT warm start changed it, or QLoRA quantised it) the base written to `path/peft/base`,
+    de-quantised, and recorded relative to the PEFT folder (`PEFT_BASE`), so the export
+    loads wherever the workdir moves: `PeftModel.from_pretrained(AutoModelForCausalLM.
+    from_pretrained(peft_dir / base_model_name_or_path), peft_dir)` (docs/training.md)."""
     quantized = quant.has_quantized(params)
     plain, params = _export_merged(model, params, path, tokenizer)
     if not lora.has_adapters(params):
@@ -128,7 +140,7 @@ def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | Non
     if not base_path or quantized:
         save_pretrained(plain, lora.without_adapters(params), path / "peft" / "base", tokenizer=tokenizer,
                         overwrite=True)
-        base_path = str((final or path) / "peft" / "base")
+        base_path = PEFT_BASE
     peft_export.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)
 
 
@@ -330,8 +342,8 @@ def _run(config, workdir: Path, *, task, placement, sampled, stops, start, shoul
                     tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
                     warm_started = config.algorithm != "sft" and config.sft.steps > 0
                     with _exporting(workdir) as out:
-                        _export_policy(model, host_params, out, tokenizer, final=workdir / "export",
-                                       base_path=None if warm_started else config.model.path)
+                        _export_policy(model, host_params, out, tokenizer,
+                                       base_path=None if warm_started else _absolute(config.model.path))
         elif config.train.export:
             host_params = placement.fetch(rm_params)
             if main:
