@@ -8,7 +8,9 @@ them are also tested in-process (`cli.unknown_key`, `runs.validation`).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +54,52 @@ def test_refused_before_any_work(tmp_path, args, last):
     proc = _train(GRPO, *args, f"--workdir={workdir}")
     assert (proc.returncode, _last_line(proc)) == (1, last), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert not workdir.exists()
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    """A tokenizer folder for `model.path` (a chat template, and with `named` a second, named
+    one as `tokenizer_config.json` lists them) and a JSONL of prompts: all a text task reads
+    before the run claims its workdir (the model is built after)."""
+    from jaxrlhf import data
+
+    root = tmp_path_factory.mktemp("chat")
+    template = "{% for m in messages %}({{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    tok = data.CharTokenizer().to_hf()
+    tok.chat_template = template
+    tok.save_pretrained(root / "ckpt")
+    named = shutil.copytree(root / "ckpt", root / "named")
+    (named / "chat_template.jinja").unlink()
+    config = json.loads((named / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": template}, {"name": "../x", "template": template}]
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "t.jsonl").write_text("".join(json.dumps({"question": f"{a}+1", "answer": f"#### {a + 1}"}) + "\n"
+                                          for a in range(8)))
+    return root
+
+
+@pytest.mark.parametrize("folder, arg, last", [
+    ("ckpt", "--config.task.stop_tokens=zzz", "error: task.stop_tokens: 'zzz' is neither a token of the tokenizer"),
+    ("ckpt", "--config.task.stop_strings=[1", "error: task.stop_strings='[1' is not a JSON list"),
+    ("ckpt", "--config.task.chat_template_kwargs=[1]", "error: task.chat_template_kwargs='[1]' is not a JSON object"),
+    ("ckpt", "--config.task.chat_template_timeout=-1",
+     "error: task.chat_template_timeout=-1.0 is impossible: it must be >= 0 (0 = no time limit)"),
+    ("ckpt", "--config.train.max_param_norm_change=-1",
+     "error: train.max_param_norm_change=-1.0 is impossible: it must be >= 0 (0 = no bound)"),
+    # transformers refuses to save it at the export, after training: the name is checked with the tokenizer
+    ("named", "--config.train.export=True", "error: model.path={}: its tokenizer has a chat template named '../x', "
+                                            "which the export would save outside"),
+], ids=["stop_tokens", "stop_strings", "template_kwargs", "template_timeout", "max_param_norm_change",
+        "template_name"])
+def test_task_options_refused_before_the_workdir_is_claimed(tmp_path, chat_files, folder, arg, last):
+    """Checked with the task, built before `claim`: no lock, no config record, no log."""
+    workdir = tmp_path / "w"
+    proc = _train(f"--config={REPO}/configs/hf_gsm8k_grpo.py:tiny", f"--config.model.path={chat_files / folder}",
+                  f"--config.task.path={chat_files / 't.jsonl'}", arg, f"--workdir={workdir}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _last_line(proc).startswith(last.format(chat_files / folder)), proc.stderr[-3000:]
+    assert _last_line(proc).endswith("(set JAXRLHF_TRACEBACK=1 for the full traceback)")
     assert not workdir.exists()
 
 

@@ -249,23 +249,26 @@ def _chat(value, key, location, system_prompt) -> list[dict[str, str]]:
     return messages
 
 
-def _render(fn, *args, key, location, template_kwargs):
-    """`fn(*args, template_kwargs=...)` of `chat`, its ValueError (or the template's own
-    error) a DataError."""
+def _render(fn, *args, key, location, template_kwargs, timeout):
+    """`fn(*args, template_kwargs=..., timeout=...)` of `chat`, its ValueError (or the
+    template's own error) a DataError; a rendering past its time (`chat.TemplateTimeout`)
+    stops the parse whatever `on_error` says, naming the row."""
     try:
-        return fn(*args, template_kwargs=template_kwargs)
+        return fn(*args, template_kwargs=template_kwargs, timeout=timeout)
+    except chat.TemplateTimeout as e:
+        raise chat.TemplateTimeout(f"{location}: field {key!r}: {e}") from None
     except Exception as e:  # jinja2's TemplateError, or chat's ValueError
         raise DataError(location, key, "bad_template", f"chat template: {e}") from None
 
 
 def _prompt(tokenizer, value, key, location, *, chat_template, system_prompt, max_tokens, long_prompts,
-            template_kwargs):
+            template_kwargs, timeout):
     """(text, ids, truncated) of one prompt, chat-templated if asked, fitted to `max_tokens`
     (`_fit_prompt`)."""
     if chat_template:
         messages = _chat(value, key, location, system_prompt)
         text = _render(chat.render, tokenizer, messages, True, key=key, location=location,
-                       template_kwargs=template_kwargs)
+                       template_kwargs=template_kwargs, timeout=timeout)
     else:
         if isinstance(value, list):
             raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
@@ -359,17 +362,20 @@ def prompts_from_records(
     source: str = "records",
     long_prompts: str = "drop",
     chat_template_kwargs: dict | None = None,
+    chat_template_timeout: float | None = chat.DEFAULT_TIMEOUT,
 ) -> PromptData:
     """Validates and tokenizes prompt (and answer) records; see the module docstring.
 
     A prompt is a non-empty string, or with `chat_template=True` also a list of chat
     messages; it is rendered with `tokenizer.apply_chat_template(...,
-    add_generation_prompt=True, **chat_template_kwargs)`. An answer is a non-empty string
-    or a number (kept as text). A prompt over `max_prompt_tokens` follows `long_prompts`
-    (the module docstring).
+    add_generation_prompt=True, **chat_template_kwargs)`, which may take at most
+    `chat_template_timeout` seconds per rendering (`chat.TemplateTimeout`, naming the row,
+    whatever `on_error`; None or 0: no limit). An answer is a non-empty string or a number
+    (kept as text). A prompt over `max_prompt_tokens` follows `long_prompts` (the module
+    docstring).
     """
     _check_options(on_error, chat_template, tokenizer, long_prompts)
-    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs)
+    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs, timeout=chat_template_timeout)
 
     def parse(record, location):
         text, ids, truncated = _prompt(tokenizer, _field(record, prompt_key, location), prompt_key, location,
@@ -386,14 +392,14 @@ def prompts_from_records(
     return PromptData(**{f: cols[f] for f in PromptData._fields if f != "skipped"}, skipped=report)
 
 
-def _response(tokenizer, value, key, location, *, prompt, chat_template, max_tokens, template_kwargs):
+def _response(tokenizer, value, key, location, *, prompt, chat_template, max_tokens, template_kwargs, timeout):
     """(text, ids) of one response: plain text (no special tokens), or with a chat template
     the template's rendering of it as the assistant turn(s) after `prompt` (messages)."""
     if chat_template:
         turns = [{"role": "assistant", "content": _text(value, key, location)}] if isinstance(value, str) else (
             _messages(value, key, location))
         text = _render(chat.response_text, tokenizer, prompt, turns, key=key, location=location,
-                       template_kwargs=template_kwargs)
+                       template_kwargs=template_kwargs, timeout=timeout)
     else:
         if isinstance(value, list):
             raise DataError(location, key, "wrong_type", "a message list needs chat_template=True")
@@ -430,13 +436,14 @@ def pairs_from_records(
     source: str = "records",
     long_prompts: str = "drop",
     chat_template_kwargs: dict | None = None,
+    chat_template_timeout: float | None = chat.DEFAULT_TIMEOUT,
 ) -> PairData:
     """Validates and tokenizes preference-pair records, in TRL's layouts: `prompt`,
     `chosen`, `rejected` strings; with `chat_template=True` also message lists (the
     prompt's turns, and `chosen` / `rejected` the assistant turn(s) after it), or, without
     a prompt field, `chosen` / `rejected` as whole chats differing in their last turn."""
     _check_options(on_error, chat_template, tokenizer, long_prompts)
-    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs)
+    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs, timeout=chat_template_timeout)
 
     def parse(record, location):
         implicit = chat_template and isinstance(record, dict) and prompt_key not in record and isinstance(
@@ -445,7 +452,7 @@ def pairs_from_records(
             turns, chosen, rejected = _implicit_prompt(record, chosen_key, rejected_key, location)
             messages = _chat(turns, chosen_key, location, system_prompt)
             text = _render(chat.render, tokenizer, messages, True, key=chosen_key, location=location,
-                           template_kwargs=chat_template_kwargs)
+                           template_kwargs=chat_template_kwargs, timeout=chat_template_timeout)
             ids = _encode_prompt(tokenizer, text, chosen_key, location, add_special_tokens=False,
                                  max_tokens=max_prompt_tokens, long_prompts=long_prompts)
             ids, truncated = _fit_prompt(tokenizer, ids, max_prompt_tokens, long_prompts, chosen_key, location)
@@ -460,7 +467,7 @@ def pairs_from_records(
         for name, key in (("chosen", chosen_key), ("rejected", rejected_key)):
             resp, resp_ids = _response(tokenizer, values[key], key, location, prompt=messages,
                                        chat_template=chat_template, max_tokens=max_response_tokens,
-                                       template_kwargs=chat_template_kwargs)
+                                       template_kwargs=chat_template_kwargs, timeout=chat_template_timeout)
             row.update({f"{name}_text": resp, f"{name}_ids": resp_ids})
         return row
 
@@ -484,6 +491,7 @@ def sft_from_records(
     source: str = "records",
     long_prompts: str = "drop",
     chat_template_kwargs: dict | None = None,
+    chat_template_timeout: float | None = chat.DEFAULT_TIMEOUT,
 ) -> SFTData:
     """Validates and tokenizes SFT records, in TRL's layouts: a `messages` chat (needs
     `chat_template=True`), learnt on its assistant turns only (`chat.turn_pieces`: each
@@ -492,7 +500,7 @@ def sft_from_records(
     template message lists), learnt on the completion: plain text gets `eos_id` appended,
     templated text ends with the template's end-of-turn marker."""
     _check_options(on_error, chat_template, tokenizer, long_prompts)
-    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs)
+    fit = dict(long_prompts=long_prompts, template_kwargs=chat_template_kwargs, timeout=chat_template_timeout)
 
     def parse(record, location):
         if isinstance(record, dict) and messages_key in record:
@@ -516,7 +524,7 @@ def sft_from_records(
             turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
             messages = _chat(prompt, prompt_key, location, system_prompt) + _messages(turns, completion_key, location)
         pieces = _render(chat.turn_pieces, tokenizer, messages, key=key, location=location,
-                         template_kwargs=chat_template_kwargs)
+                         template_kwargs=chat_template_kwargs, timeout=chat_template_timeout)
         first = next((i for i, (_, assistant) in enumerate(pieces) if assistant), None)
         if first is None:
             raise DataError(location, key, "no_assistant_turn", "has no assistant turn to learn")

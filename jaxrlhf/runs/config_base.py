@@ -47,7 +47,9 @@ def jsonl_task(**kw) -> mlc.ConfigDict:
     ("</answer>,\\n\\n") or a JSON list when one holds a comma; each response is cut on the
     host after the first token at which its text contains one (`rollout.stop_strings`).
     `chat_template_kwargs`: a JSON object of extra chat-template variables for every
-    rendering ('{"enable_thinking": false}'). `long_prompts`: a prompt over
+    rendering ('{"enable_thinking": false}'). `chat_template_timeout`: the seconds one
+    rendering of the chat template may take (default 10; 0 = no limit): a template that
+    loops past it stops the run, naming the template and the row (`data.chat`). `long_prompts`: a prompt over
     `max_prompt_tokens` is "drop"ped (counted as too_long) or "left_truncate"d to its last
     `max_prompt_tokens` tokens (counted); `data.records`. `sft_path` / `pairs_path`: source
     specs of the run's other phases' rows, read as kind "sft" / "pairs" with the same
@@ -62,18 +64,20 @@ def jsonl_task(**kw) -> mlc.ConfigDict:
         prompt_key="question", answer_key="answer", messages_key="messages", completion_key="completion",
         chosen_key="chosen", rejected_key="rejected", max_prompt_tokens=256, max_response_tokens=512,
         max_new_tokens=256, chat_template=True, system_prompt="", on_error="skip", stop_tokens="", stop_strings="",
-        chat_template_kwargs="", long_prompts="drop", sft_path="", pairs_path="",
+        chat_template_kwargs="", chat_template_timeout=10.0, long_prompts="drop", sft_path="", pairs_path="",
         max_row_bytes=2**20, max_file_bytes=10 * 2**30), **kw))  # `records.MAX_ROW_BYTES`, `jsonl.MAX_FILE_BYTES`
 
 
 def word_problems_task(**kw) -> mlc.ConfigDict:
     """Generated one-digit arithmetic questions in words for a Hugging Face chat model
     (`data.make_word_problems`); reward = exact answer + format_weight × "#### <n>" format;
-    `stop_tokens`, `stop_strings`, `chat_template_kwargs`, `long_prompts` as in `jsonl_task`."""
+    `stop_tokens`, `stop_strings`, `chat_template_kwargs`, `chat_template_timeout`, `long_prompts` as in
+    `jsonl_task`."""
     return mlc.ConfigDict(dict(dict(
         name="word_problems", tokenizer_path="", num_train=4000, num_test=200, seed=0, max_prompt_tokens=128,
         max_new_tokens=48, chat_template=True, system_prompt="Answer with '#### <number>'.", format_weight=0.0,
-        stop_tokens="", stop_strings="", chat_template_kwargs="", long_prompts="drop"), **kw))
+        stop_tokens="", stop_strings="", chat_template_kwargs="", chat_template_timeout=10.0,
+        long_prompts="drop"), **kw))
 
 
 def reward(**kw) -> mlc.ConfigDict:

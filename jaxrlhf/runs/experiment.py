@@ -11,7 +11,8 @@
 - `reward_model`: Bradley–Terry reward model on preference pairs.
 
 Every phase's counts and batch shapes are checked against the mesh before any work
-(`runs.validation`), and the Python rewards of the `reward` section are imported then too
+(`runs.validation`), and the task is built then too, its tokenizer-dependent options
+checked (`tasks.build_task`), with the Python rewards of the `reward` section imported
 (`tasks.python_rewards`; they join the task's reward, `tasks.with_python_rewards`). Each
 phase checkpoints under `workdir/<phase>/` and a rerun with the
 same workdir resumes; the run holds the workdir's lock, and its config must be the one that
@@ -54,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -114,12 +116,23 @@ def _export_merged(model, params, path: Path, tokenizer=None):
     return plain, params
 
 
-def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None, final: Path | None = None) -> None:
-    """The policy as a Hugging Face folder at `path` (to be renamed `final`, default `path`).
-    With LoRA adapters: merged into the weights there, and the adapters alone as a PEFT
-    folder `path/peft` for their base — `base_path` (the checkpoint the phase started from),
-    or else (an SFT warm start changed it, or QLoRA quantised it) the base written to
-    `path/peft/base`, de-quantised, and recorded as `final/peft/base`."""
+def _absolute(path: str) -> str:
+    """A local folder as an absolute path ("" stays ""): the PEFT export's base when it is
+    the user's own `model.path`, valid from wherever the export is loaded."""
+    return os.path.abspath(path) if path else ""
+
+
+PEFT_BASE = "./base"  # a base saved inside the PEFT folder, as its adapter_config.json names it
+
+
+def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | None) -> None:
+    """The policy as a Hugging Face folder at `path`. With LoRA adapters: merged into the
+    weights there, and the adapters alone as a PEFT folder `path/peft` for their base —
+    `base_path` (the checkpoint the phase started from: `model.path`, absolute), or else (an
+    SFT warm start changed it, or QLoRA quantised it) the base written to `path/peft/base`,
+    de-quantised, and recorded relative to the PEFT folder (`PEFT_BASE`), so the export
+    loads wherever the workdir moves: `PeftModel.from_pretrained(AutoModelForCausalLM.
+    from_pretrained(peft_dir / base_model_name_or_path), peft_dir)` (docs/training.md)."""
     quantized = quant.has_quantized(params)
     plain, params = _export_merged(model, params, path, tokenizer)
     if not lora.has_adapters(params):
@@ -127,7 +140,7 @@ def _export_policy(model, params, path: Path, tokenizer, *, base_path: str | Non
     if not base_path or quantized:
         save_pretrained(plain, lora.without_adapters(params), path / "peft" / "base", tokenizer=tokenizer,
                         overwrite=True)
-        base_path = str((final or path) / "peft" / "base")
+        base_path = PEFT_BASE
     peft_export.save_peft(model.config, params, path / "peft", base_model_name_or_path=base_path)
 
 
@@ -213,23 +226,33 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     log.info("%s", placement.describe())
+    task = _task(config)  # its options (stop tokens and strings, template variables and names), before any work
     with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels():
-        return _run(config, Path(workdir), placement=placement, sampled=sampled, stops=stops, start=start,
+        return _run(config, Path(workdir), task=task, placement=placement, sampled=sampled, stops=stops, start=start,
                     should_stop=should_stop)
 
 
-def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop) -> dict:
-    """The phases, the summary table and the export, in a workdir this run holds."""
-    main = jax.process_index() == 0
-    runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
-    if main:
-        _remove_stale_exports(workdir)
+def _task(config):
+    """The run's task with the Python rewards of `config.reward`, built before the workdir is
+    claimed so that a bad task option (`task.stop_tokens` against the tokenizer,
+    `task.stop_strings`, `task.chat_template_kwargs`, a chat template name that would write
+    outside the export, a data file) stops the run with nothing written. Its log lines wait
+    for `train.log` (`runlog.capture`)."""
     task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
     if config.algorithm == "grpo" and config.grpo.guide_coef > 0:  # a task without references: before any phase
         task.reference_keys(f"grpo.guide_coef={config.grpo.guide_coef}")
     if len(task.stop_ids) > 1:
         log.info("responses end at any of the token ids %s (%s)", list(task.stop_ids),
                  ", ".join(repr(task.tokenizer.convert_ids_to_tokens(i)) for i in task.stop_ids))
+    return task
+
+
+def _run(config, workdir: Path, *, task, placement, sampled, stops, start, should_stop) -> dict:
+    """The phases, the summary table and the export, in a workdir this run holds."""
+    main = jax.process_index() == 0
+    runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
+    if main:
+        _remove_stale_exports(workdir)
     folder_rm = reward_folder.load(config.get("reward"), config.model, tokenizer=task.tokenizer,
                                    policy_vocab=task.vocab_size, placement=placement)
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
@@ -319,8 +342,8 @@ def _run(config, workdir: Path, *, placement, sampled, stops, start, should_stop
                     tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
                     warm_started = config.algorithm != "sft" and config.sft.steps > 0
                     with _exporting(workdir) as out:
-                        _export_policy(model, host_params, out, tokenizer, final=workdir / "export",
-                                       base_path=None if warm_started else config.model.path)
+                        _export_policy(model, host_params, out, tokenizer,
+                                       base_path=None if warm_started else _absolute(config.model.path))
         elif config.train.export:
             host_params = placement.fetch(rm_params)
             if main:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import data, rewards
+from jaxrlhf.data import chat
 from jaxrlhf.algorithms.guide import GUIDE_KEYS
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.runs.evaluation import SampledEval, sampled_metrics
@@ -224,16 +225,20 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
         stop_ids=stops, stop_strings=stop_strings.parse(cfg.get("stop_strings", "")))
 
 
-def _tokenizer(name: str, tokenizer_path: str):
+def _tokenizer(cfg, tokenizer_path: str):
     """The task's Hugging Face tokenizer with its own chat template kept: `task.chat_template`
     decides only whether prompts are rendered through it, and the exported model's
-    tokenizer (`workdir/export`) carries the template of the source checkpoint."""
+    tokenizer (`workdir/export`) carries the template of the source checkpoint — so the
+    names of its extra templates are checked here (`chat.check_template_names`), not at
+    the export."""
     from jaxrlhf.models import load_tokenizer
 
     if not tokenizer_path:
-        raise ValueError(f"task.name={name!r} needs a tokenizer: set model.path (or task.tokenizer_path) to a "
+        raise ValueError(f"task.name={cfg.name!r} needs a tokenizer: set model.path (or task.tokenizer_path) to a "
                          "Hugging Face checkpoint folder, e.g. one `python -m jaxrlhf.models.gguf` writes")
-    return load_tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
+    chat.check_template_names(tok, "task.tokenizer_path" if cfg.get("tokenizer_path") else "model.path")
+    return tok
 
 
 KINDS = ("prompts", "sft", "pairs")
@@ -260,7 +265,8 @@ def _record_options(cfg) -> dict:
     """The options every records parser of a text task takes from its config section."""
     return dict(max_prompt_tokens=cfg.max_prompt_tokens, chat_template=cfg.chat_template,
                 system_prompt=cfg.system_prompt or None, long_prompts=cfg.long_prompts,
-                chat_template_kwargs=template_kwargs(cfg.chat_template_kwargs))
+                chat_template_kwargs=template_kwargs(cfg.chat_template_kwargs),
+                chat_template_timeout=cfg.get("chat_template_timeout", chat.DEFAULT_TIMEOUT))
 
 
 def _file_parser(cfg, tok, kind: str):
@@ -312,7 +318,7 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
     if kind not in KINDS:
         raise ValueError(f"task.kind={kind!r}; expected one of {KINDS} (prompts: GRPO/PPO, sft: SFT examples, "
                          "pairs: preference pairs for DPO and reward-model training)")
-    tok = _tokenizer("jsonl", tokenizer_path)
+    tok = _tokenizer(cfg, tokenizer_path)
     parse = _file_parser(cfg, tok, kind)
     test_field = "task.test_path" if cfg.test_path else "task.path"
     train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed, **_bounds(cfg))
@@ -362,7 +368,7 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
     """One-digit arithmetic questions in words (`data.make_word_problems`, generated: no
     files) for a Hugging Face chat model; reward = exact answer + `format_weight` × the
     "#### <number>" answer format (`data.answer_format_reward`)."""
-    tok = _tokenizer("word_problems", tokenizer_path)
+    tok = _tokenizer(cfg, tokenizer_path)
 
     def make(num, split, seed):
         records = data.make_word_problems(num, split=split, seed=seed)

@@ -12,7 +12,7 @@ Checked for every phase the run will execute (`stopping.run_phases`):
   (`runs.policy_pairs.PolicyPairsConfig`), and its `ensemble_reduce`;
 - counts that must be positive (`steps` of the run's own phases, batch sizes,
   `sampling.num_samples`, minibatches, microbatches, ...) or non-negative (`sft.steps`,
-  `train.eval_every`, ...);
+  `train.eval_every`, `train.max_param_norm_change`, `task.chat_template_timeout`, ...);
 - the global batch rows each phase hands to the mesh (`sft.batch_size`,
   `grpo.prompts_per_step` or `grpo.pool_size`, `ppo.prompts_per_step`, `dpo.batch_size`,
   `reward_model.batch_size`) against the mesh's row shards (`Placement.check_rows`);
@@ -52,8 +52,11 @@ _MINIMUM = {
     "dpo": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
     "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1, "ensemble": 1, "sft_steps": 0},
     "train": {"log_every": 1, "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 1, "eval_batch_size": 1,
-              "eval_samples": 0, "eval_slots": 0},
+              "eval_samples": 0, "eval_slots": 0, "max_param_norm_change": 0},
+    "task": {"chat_template_timeout": 0},  # the fields a task has (a text task's); others are not checked
 }
+_HINTS = {"sft.steps": " (0 skips the SFT warm start)", "train.max_param_norm_change": " (0 = no bound)",
+          "task.chat_template_timeout": " (0 = no time limit)"}
 _OPTIM_MINIMUM = {"lr": 0, "warmup_steps": 0, "decay_steps": 0}
 
 
@@ -65,7 +68,7 @@ def _get(section, dotted: str):
 
 def _check_minimum(key: str, value, minimum) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        hint = " (0 skips the SFT warm start)" if key == "sft.steps" else ""
+        hint = _HINTS.get(key, "")
         raise ValueError(f"{key}={value!r} is impossible: it must be >= {minimum}{hint}")
 
 
@@ -79,7 +82,9 @@ def check_values(config) -> None:
         reward_model.check_reduce(config.reward_model.get("ensemble_reduce", "mean"))
     if "grpo" in run:
         _check_pool(config.grpo)
-    for section in (*run, "train"):
+    for section in (*run, "train", "task"):
+        if section not in config:  # e.g. a test's config without a task
+            continue
         for field, minimum in _MINIMUM[section].items():
             if section == "sft" and field == "steps" and config.algorithm == "sft":
                 minimum = 1
@@ -88,12 +93,12 @@ def check_values(config) -> None:
             except KeyError:  # a config without this field: nothing to check
                 continue
             _check_minimum(f"{section}.{field}", value, minimum)
-        sampling = config[section].get("sampling") if section != "train" else None
+        sampling = config[section].get("sampling") if section not in ("train", "task") else None
         if sampling is not None and sampling.get("min_new_tokens", 0) > sampling.max_new_tokens:
             raise ValueError(f"{section}.sampling.min_new_tokens={sampling.min_new_tokens} is impossible: it must be "
                              f"<= {section}.sampling.max_new_tokens={sampling.max_new_tokens}")
         for name in ("optim", "critic_optim"):
-            if section != "train" and name in config[section]:
+            if section not in ("train", "task") and name in config[section]:
                 for field, minimum in _OPTIM_MINIMUM.items():
                     _check_minimum(f"{section}.{name}.{field}", config[section][name][field], minimum)
 

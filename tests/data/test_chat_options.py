@@ -3,6 +3,9 @@ template rendering (prompts, SFT chats, preference pairs), and prompts over
 `max_prompt_tokens` are dropped or left-truncated by `long_prompts`, counted either way."""
 
 import logging
+import re
+import signal
+import time
 
 import pytest
 
@@ -64,3 +67,53 @@ def test_long_prompts_dropped_or_left_truncated_and_counted(tok, caplog):
     assert [tok.decode(ids) for ids in chat.prompt_ids] == ["2+34=", "(1+2=", "+456="]  # generation prompt kept
     with pytest.raises(ValueError, match="long_prompts must be one of"):
         data.prompts_from_records(records, tok, long_prompts="cut", **kw)
+
+
+# jinja2's sandbox refuses a `range` over 100 000 items (range(10**6) is a bad_template row at
+# once), so the stall is two nested ranges of 10**5: 10**10 iterations, hours of rendering.
+LOOPING = "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_template_that_loops_past_its_time_stops_naming_the_template_and_the_row(on_error):
+    from jaxrlhf.data import chat
+
+    tok = data.CharTokenizer().to_hf()
+    tok.chat_template = LOOPING
+    start = time.monotonic()
+    with pytest.raises(chat.TemplateTimeout) as e:  # not a skipped row: every row would wait its second
+        data.prompts_from_records(_rows({"q": "1+2", "a": "3"}), tok, prompt_key="q", answer_key="a",
+                                  chat_template=True, on_error=on_error, chat_template_timeout=1)
+    assert time.monotonic() - start < 5
+    assert str(e.value).startswith("f.jsonl:1: field 'q': the chat template of ")
+    assert f"({LOOPING[:60]!r}...)" in str(e.value)  # the template's first 60 characters name it
+    assert "took more than 1 s to render one chat (task.chat_template_timeout)" in str(e.value)
+
+
+def test_a_template_within_its_time_renders_and_leaves_an_outer_timer_armed(tok):
+    from jaxrlhf.data import chat
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30)
+        assert chat.render(tok, [{"role": "user", "content": "1+2"}], True, timeout=1) == "(1+2="
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25 < remaining <= 30 and not fired  # the outer timer runs on, its handler restored
+        assert signal.getsignal(signal.SIGALRM) is not None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..\\x"])
+def test_a_chat_template_name_that_would_write_outside_the_export_is_refused(name):
+    from jaxrlhf.data import chat
+
+    tok = data.CharTokenizer().to_hf()
+    tok.chat_template = {"default": TEMPLATE, "tool_use": TEMPLATE}
+    chat.check_template_names(tok, "model.path")  # names of plain files
+    tok.chat_template = {"default": TEMPLATE, name: TEMPLATE}
+    with pytest.raises(ValueError, match=rf"^model.path=.*a chat template named {re.escape(repr(name))}, which the "
+                                         "export would save outside"):
+        chat.check_template_names(tok, "model.path")

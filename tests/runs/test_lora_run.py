@@ -86,7 +86,7 @@ def test_export_is_merged_plus_a_peft_folder_on_the_warm_started_base(grpo_run):
     assert peft["peft_type"] == "LORA" and peft["r"] == 8 and peft["lora_alpha"] == 16.0
     assert sorted(peft["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    assert peft["base_model_name_or_path"] == str(export / "peft" / "base")  # the SFT warm start changed it
+    assert peft["base_model_name_or_path"] == "./base"  # the SFT warm start changed it: saved inside, relative
     assert (export / "peft" / "adapter_model.safetensors").exists()
     assert (export / "peft" / "base" / "config.json").exists()
 

@@ -71,24 +71,31 @@ def test_resumes_exactly(run, tmp_path, cache):
         json.loads((full / "summary.json").read_text())["stages"]
 
 
-def test_export_loads_in_transformers_and_equals_peft_on_the_dequantised_base(run):
+def test_export_loads_in_transformers_and_equals_peft_on_the_dequantised_base(run, tmp_path):
     """The merged folder runs in `transformers`; the PEFT folder, folded into its base by
     `peft` itself, gives the merged weights (at this size the trained adapters move the
-    logits by ~1e-7 only, so the weights are compared)."""
+    logits by ~1e-7 only, so the weights are compared). The PEFT folder names its base
+    relative to itself, so it is loaded here from a moved workdir, as docs/training.md shows."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     workdir, _ = run
-    export = workdir / "export"
-    peft_config = json.loads((export / "peft" / "adapter_config.json").read_text())
-    assert peft_config["base_model_name_or_path"] == str(export / "peft" / "base")  # de-quantised, written there
-    ids = torch.as_tensor(np.random.default_rng(0).integers(0, 12, (2, 7)))
-    with torch.no_grad():
-        merged = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
-        assert np.isfinite(merged(input_ids=ids).logits.numpy()).all()
-        base = transformers.AutoModelForCausalLM.from_pretrained(export / "peft" / "base").eval()
-        base_weights = {k: v.clone() for k, v in base.state_dict().items()}
-        folded = peft.PeftModel.from_pretrained(base, export / "peft").merge_and_unload().state_dict()
+    moved = tmp_path / "moved"
+    shutil.move(workdir, moved)  # the old path no longer exists
+    try:
+        export = moved / "export"
+        peft_config = json.loads((export / "peft" / "adapter_config.json").read_text())
+        assert peft_config["base_model_name_or_path"] == "./base"  # de-quantised, written inside the PEFT folder
+        ids = torch.as_tensor(np.random.default_rng(0).integers(0, 12, (2, 7)))
+        with torch.no_grad():
+            merged = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+            assert np.isfinite(merged(input_ids=ids).logits.numpy()).all()
+            base_path = export / "peft" / peft_config["base_model_name_or_path"]
+            base = transformers.AutoModelForCausalLM.from_pretrained(base_path).eval()
+            base_weights = {k: v.clone() for k, v in base.state_dict().items()}
+            folded = peft.PeftModel.from_pretrained(base, export / "peft").merge_and_unload().state_dict()
+    finally:
+        shutil.move(moved, workdir)
     for name, w in merged.state_dict().items():
         if name.endswith("proj.weight"):
             assert float((w - base_weights[name]).abs().max()) > 1e-4, name  # the adapters were trained
