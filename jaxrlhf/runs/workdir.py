@@ -183,6 +183,10 @@ def config_changes(old: dict, new: dict, progress: dict) -> list[Change]:
                 changes.append(_steps_change(key, old_keys[key], new_keys[key], new_phases, progress))
             else:
                 changes.append(Change(key, a, b, True))
+        elif key not in old_keys:
+            # An option newer than the workdir's record (a later version of jaxrlhf): resuming
+            # takes its value, listed, if the user opts in (an upgrade strands no workdir).
+            changes.append(Change(key, a, b, True, "an option added since this workdir was started"))
         else:
             changes.append(Change(key, a, b, False))
     first = int(bool(changes) and changes[0].key == "algorithm")  # the algorithm, then the phases it runs

@@ -73,6 +73,24 @@ def test_steps_may_grow_or_shrink_only_where_no_checkpoint_depends_on_them():
     assert list(unused) == ["reward_model.steps"] and unused["reward_model.steps"].safe
 
 
+def test_an_option_added_since_the_record_is_safe_to_resume_with_when_opted_in(tmp_path):
+    """A workdir started by an earlier version lacks the options added since: resuming lists
+    each as a change from "(not set)", safe with --resume_with_changes; a known key stays unsafe."""
+    W.record_config(tmp_path, _config())
+    record = json.loads((tmp_path / "run.json").read_text())
+    del record["identity"]["task.num_pairs"]  # as if the option did not exist when it started
+    record["hash"] = W._digest(record["identity"])
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    (tmp_path / "sft" / "4").mkdir(parents=True)
+    with pytest.raises(W.WorkdirError, match=r"task.num_pairs: \(not set\) -> 0 \(an option added since this "
+                                             r"workdir was started\)\. These keys are safe to change"):
+        W.record_config(tmp_path, _config())
+    accepted = W.record_config(tmp_path, _config(), resume_with_changes=True)
+    assert [c.key for c in accepted] == ["task.num_pairs"]
+    with pytest.raises(W.WorkdirError, match=r"not safe: seed: 0 -> 1"):
+        W.record_config(tmp_path, _config(seed=1), resume_with_changes=True)
+
+
 def test_another_algorithm_is_one_line_per_phase_not_per_key():
     changes = list(_changes(_config("addition_dpo")).values())
     assert [str(c) for c in changes[:3]] == ["algorithm: 'grpo' -> 'dpo'", "grpo: runs -> does not run",
