@@ -12,9 +12,13 @@ Three kinds of reward, all returning one float per response (`N` responses):
   the sampler had no EOS (see below). `trl_reward` takes a function in TRL's
   `reward_funcs` convention instead, `fn(prompts=..., completions=..., **row_fields)`, and
   `import_reward_fn("mypkg.rewards:correct")` finds one by import path. A host reward that
-  raises, returns a NaN/inf or the wrong number of scores is an error naming it. A reward
+  raises, returns a NaN/inf or the wrong number of scores is an error naming it; a score
+  may be a bool (0/1) or None (no score for that response: it adds nothing to the
+  total, nor to the component's mean metric). A reward
   function of any kind that calls `sys.exit` is an error naming it, `pkg.mod:fn`
-  (`RewardFunctionError`), and a Ctrl-C that interrupts one says which it was.
+  (`RewardFunctionError`), and a Ctrl-C that interrupts one says which it was. A function
+  given by import path can run in a worker process under a timeout
+  (`reward_workers.Clocked`, the config's `reward.timeout`).
 - **Reward models**: a JAX callable `(sequences [N, P + T], attention_mask [N, P + T]) ->
   [N]` on prompt ⧺ response, e.g. `reward_model.score_fn(model, params)`. Traced like a
   JAX reward (the parameters it closes over become constants of the compiled program),
@@ -50,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.reward_workers import Clocked, RewardFunctionError, RewardTimeout, exit_message, import_fn
 from jaxrlhf.rollout.sampler import stop_ids, until_stop
 
 KINDS = ("jax", "host", "model")
@@ -89,7 +94,8 @@ class Component:
     """One reward: a callable of one of the three `KINDS`, its name and its weight.
 
     A "model" component with `takes_params` is called `fn(params, sequences,
-    attention_mask)`; `vocab_size` (when known) must match the policy's.
+    attention_mask)`; `vocab_size` (when known) must match the policy's. A host component
+    whose score passes `max_abs_score` in absolute value is an error naming the row.
     """
 
     fn: Callable
@@ -100,6 +106,7 @@ class Component:
     eos_id: int | tuple[int, ...] | None = None  # the ids that end a response (`sampler.stop_ids`)
     takes_params: bool = False
     vocab_size: int | None = None
+    max_abs_score: float | None = None  # a host reward's bound on |score| (None: finite is enough)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -118,13 +125,12 @@ class Component:
         return self.kind in ("jax", "model")
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function ended the process (`sys.exit`) instead of returning its scores."""
-
-
 def origin(fn: Callable) -> str:
-    """`pkg.mod:fn`, where reward function `fn` (or the function it wraps) is defined."""
+    """`pkg.mod:fn`, where reward function `fn` (or the function it wraps) is defined; a
+    function run in a worker (`reward_workers.Clocked`) by its import path."""
     fn = inspect.unwrap(fn)
+    if getattr(fn, "import_path", None):
+        return fn.import_path
     return f"{getattr(fn, '__module__', None) or '?'}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
@@ -135,8 +141,7 @@ def _call(c: Component, *args):
     try:
         return c.fn(*args)
     except SystemExit as e:
-        raise RewardFunctionError(f"reward function {origin(c.fn)} called sys.exit({e.code!r}): a reward "
-                                  "function returns its scores and must not end the process") from e
+        raise RewardFunctionError(exit_message(origin(c.fn), e.code)) from e
     except KeyboardInterrupt as e:
         raise KeyboardInterrupt(f"while running reward function {origin(c.fn)}") from e
 
@@ -152,6 +157,45 @@ def _check_scores(name: str, scores, n: int, host: bool):
         raise ValueError(f"reward {name!r} returned dtype {dtype}; expected float32 scores "
                          "(cast with .astype(jnp.float32))")
     return np.asarray(scores, np.float32) if host else jnp.asarray(scores, jnp.float32)
+
+
+def _host_values(name: str, scores, n: int) -> np.ndarray:
+    """The `[N]` float32 scores a host reward returned: numbers, `bool` as 0/1, `None` as
+    NaN (no score for that row, TRL's convention); a ValueError saying what came back
+    otherwise (the wrong length, something not a number, NaN or inf)."""
+    none = None
+    if isinstance(scores, (list, tuple)) or (isinstance(scores, np.ndarray) and scores.dtype == object):
+        values = list(scores)
+        none = np.asarray([v is None for v in values], bool)
+        scores = [0.0 if v is None else v for v in values]
+    try:
+        array = np.asarray(scores)
+    except Exception as e:  # ragged lists and the like
+        raise ValueError(f"reward {name!r} returned {type(scores).__name__} that is not an [N] array of floats: "
+                         f"{e}") from None
+    if array.dtype == bool:
+        array = array.astype(np.float32)
+    if array.dtype == object:
+        raise ValueError(f"reward {name!r} returned non-numeric scores; expected {n} floats (or None for no score)")
+    array = _check_scores(name, array, n, host=True)
+    bad = np.flatnonzero(~np.isfinite(array))
+    if bad.size:
+        raise ValueError(f"reward {name!r} returned {array[bad[0]]} for response {bad[0]} ({bad.size} of {n} "
+                         "scores not finite); return finite floats (None: no score for that response)")
+    if none is not None and none.any():
+        array = array.copy()
+        array[none] = np.nan
+    return array
+
+
+def _scored(c: Component, scores) -> tuple[jax.Array, jax.Array]:
+    """(`[N]` float32 scores with 0 where there is none, `[N]` 1.0 where there is one): only
+    a host component can leave a row unscored (NaN, its function's None)."""
+    values = jnp.asarray(scores, jnp.float32)
+    if c.kind != "host":
+        return values, jnp.ones_like(values)
+    scored = ~jnp.isnan(values)
+    return jnp.where(scored, values, 0.0), scored.astype(jnp.float32)
 
 
 def _decode(tokenizer, ids_NxL, mask_NxL, eos_id, *, cut: bool = True):
@@ -242,31 +286,49 @@ class Reward:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure of user code, named
                 raise RuntimeError(f"reward {c.name!r} raised {type(e).__name__}: {e}") from e
-            try:
-                scores = np.asarray(scores)
-            except Exception as e:  # ragged lists and the like
-                raise ValueError(f"reward {c.name!r} returned {type(scores).__name__} that is not an [N] "
-                                 f"array of floats: {e}") from None
-            if scores.dtype == object:
-                raise ValueError(f"reward {c.name!r} returned non-numeric scores; expected {n} floats")
-            scores = _check_scores(c.name, scores, n, host=True)
-            bad = np.flatnonzero(~np.isfinite(scores))
-            if bad.size:
-                raise ValueError(f"reward {c.name!r} returned {scores[bad[0]]} for response {bad[0]} "
-                                 f"({bad.size} of {n} scores not finite); return finite floats")
+            scores = _host_values(c.name, scores, n)
+            bound = c.max_abs_score
+            big = np.flatnonzero(np.abs(scores) > bound) if bound is not None else ()
+            if len(big):
+                i = int(big[0])
+                raise ValueError(f"reward function {origin(c.fn)} returned {scores[i]:g} for row {i} (prompt "
+                                 f"{prompts[i][:80]!r}); |score| may be at most {bound:g} (reward.max_abs_score): "
+                                 "scale the scores, or raise the bound")
+            clock = inspect.unwrap(c.fn)
+            if isinstance(clock, Clocked):  # `reward/<name>/timeouts`: 1 where its call timed out (scored 0)
+                out[f"{c.name}/timeouts"] = np.full(n, float(clock.timed_out), np.float32)
             out[c.name] = scores
+        weighted = [c for c in self.components if c.weight != 0]
+        if out and weighted and all(c.kind == "host" for c in weighted):
+            unscored = np.flatnonzero(np.all([np.isnan(out[c.name]) for c in weighted], axis=0))
+            if unscored.size:
+                i = int(unscored[0])
+                raise ValueError(f"row {i} (prompt {prompts[i][:80]!r}) has no score: every reward with a weight "
+                                 f"({', '.join(c.name for c in weighted)}) returned None for it ({unscored.size} of "
+                                 f"{n} rows); a response without any score cannot be trained on: score it, or give "
+                                 "the task's own reward a weight (reward.task_weight > 0)")
         return out
 
     def total(self, scores: Mapping[str, Any]) -> jax.Array:
-        """`Σ_i w_i · scores[name_i]`, float32 `[N]` (jnp, so it works inside jit)."""
+        """`Σ_i w_i · scores[name_i]`, float32 `[N]` (jnp, so it works inside jit); a host
+        component's NaN (its function's None: no score for that row) adds nothing."""
         missing = [c.name for c in self.components if c.name not in scores]
         if missing:
             raise KeyError(f"scores of reward components {missing} are missing")
-        return sum(jnp.float32(c.weight) * jnp.asarray(scores[c.name], jnp.float32) for c in self.components)
+        return sum(jnp.float32(c.weight) * _scored(c, scores[c.name])[0] for c in self.components)
 
     def metrics(self, scores: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """`{"reward/<name>": mean}` for every component (unweighted means)."""
-        return {f"reward/{c.name}": jnp.mean(jnp.asarray(scores[c.name], jnp.float32)) for c in self.components}
+        """`{"reward/<name>": mean}` for every component (unweighted means; a host
+        component's over the rows it scored, 0 when none), and `reward/<name>/timeouts` for a
+        function run under a clock (1 when its call timed out and scored 0)."""
+        out = {}
+        for c in self.components:
+            values, scored = _scored(c, scores[c.name])
+            out[f"reward/{c.name}"] = (jnp.sum(values) / jnp.maximum(jnp.sum(scored), 1.0) if c.kind == "host"
+                                       else jnp.mean(values))
+            if f"{c.name}/timeouts" in scores:
+                out[f"reward/{c.name}/timeouts"] = jnp.max(jnp.asarray(scores[f"{c.name}/timeouts"], jnp.float32))
+        return out
 
     def __call__(self, inputs: RewardInput, extras: Mapping[str, Any] | None = None, params: Any = None):
         """Eager evaluation of every component: `(total [N], {name: [N]})`.
@@ -304,41 +366,31 @@ def host_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: flo
 
 
 def trl_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: float = 1.0,
-               eos_id: int | None = None) -> Reward:
+               eos_id: int | None = None, max_abs_score: float | None = None) -> Reward:
     """A host reward in TRL's `reward_funcs` convention, so that reward functions written
     for TRL run unchanged: `fn(prompts=[...], completions=[...], **fields) -> list[float]`,
     called with keywords, one entry per response in every list. `fields` are the reward
     extras except `finished` — for the text tasks, the other fields of each prompt's row
-    (e.g. `answer`), repeated for its samples. Decoding as in `host_reward`."""
+    (e.g. `answer`), repeated for its samples. Decoding as in `host_reward`. As in TRL, a
+    score may be a `bool` (0/1) or `None`: no score for that response, left out of this
+    reward's term (it adds 0) and of its `reward/<name>` mean; a row no weighted reward
+    scores is an error. A score above `max_abs_score` in absolute value is an error naming
+    the row. `fn` may be a `reward_workers.Clocked`: the function runs in a worker process
+    under a timeout."""
     def call(prompts, responses, extras):
         fields = {k: list(v) for k, v in extras.items() if k != "finished"}
         return fn(prompts=prompts, completions=responses, **fields)
 
     call.__wrapped__ = fn  # the function that errors name (`origin`)
-    return host_reward(call, tokenizer, name=_name(fn, name), weight=weight, eos_id=eos_id)
+    reward = host_reward(call, tokenizer, name=_name(fn, name), weight=weight, eos_id=eos_id)
+    return Reward((dataclasses.replace(reward.components[0], max_abs_score=max_abs_score),))
 
 
 def import_reward_fn(spec: str) -> Callable:
     """The callable at import path `spec`, "package.module:function" (a dotted attribute
     path after the colon works too); a ValueError naming `spec` when it does not import, has
-    no such attribute or is not callable."""
-    import importlib
-
-    module_name, sep, attr = spec.strip().partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected an import path 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
-        raise ValueError(f"reward {spec!r}: module {module_name!r} does not import ({type(e).__name__}: {e}); "
-                         "is its folder on PYTHONPATH?") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
-    return obj
+    no such attribute or is not callable (`reward_workers.import_fn`)."""
+    return import_fn(spec)
 
 
 def model_reward(score_fn: Callable, *, name: str = "reward_model", weight: float = 1.0, takes_params: bool = False,
@@ -378,5 +430,5 @@ def combine(weighted: Sequence[tuple[float, Any]]) -> Reward:
     return Reward(tuple(parts))
 
 
-__all__ = ["KINDS", "Component", "Reward", "RewardFunctionError", "RewardInput", "as_reward", "combine",
+__all__ = ["KINDS", "Component", "Reward", "RewardFunctionError", "RewardInput", "RewardTimeout", "as_reward", "combine",
            "host_reward", "import_reward_fn", "jax_reward", "model_reward", "origin", "trl_reward"]

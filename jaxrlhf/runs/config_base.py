@@ -86,11 +86,22 @@ def reward(**kw) -> mlc.ConfigDict:
     convention, `fn(prompts=[...], completions=[...], **row_fields) -> list[float]`;
     `weights`, one per function ("" = 1.0 each); `task_weight`, the task's own reward's
     weight (0 = train on yours alone; it is still the held-out `accuracy`).
+    `timeout`: seconds each call of a function may take (default 300): each runs in a
+    worker process of its own (`reward_workers.Clocked`), a progress line every
+    min(30 s, timeout / 4) while one runs long, and a call past the timeout is abandoned
+    (the worker killed, a fresh one started for the next call); 0 (or None) = no limit,
+    the functions run in the run's own process. `on_timeout`: "error" (stop the run naming the
+    function) or "zero" (score that batch 0 for that function, warn, and count it in
+    `reward/<name>/timeouts`). `max_abs_score`: a score above this in absolute value is an
+    error naming the function and the row (0 = finite is enough). A score may be a
+    bool (0/1) or None (no score for that response: left out of that function's term and
+    of its mean; a row no weighted reward scores is an error).
     `model_path`: a Hugging Face `*ForSequenceClassification` folder whose score of prompt ⧺
     response (at its last valid token) joins the reward of GRPO and of PPO with
     `ppo.reward="task"`, at `model_weight`, frozen and compiled into the step
     (`runs.reward_folder`); its tokenizer must encode like the task's."""
-    return mlc.ConfigDict(dict(dict(fns="", weights="", task_weight=1.0, model_path="", model_weight=1.0), **kw))
+    return mlc.ConfigDict(dict(dict(fns="", weights="", task_weight=1.0, timeout=300.0, on_timeout="error",
+                                    max_abs_score=1e6, model_path="", model_weight=1.0), **kw))
 
 
 def model(**kw) -> mlc.ConfigDict:

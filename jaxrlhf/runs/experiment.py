@@ -64,7 +64,7 @@ from pathlib import Path
 import jax
 import ml_collections as mlc
 
-from jaxrlhf import exits, runlog
+from jaxrlhf import exits, reward_workers, runlog
 from jaxrlhf.models import lora, peft_export, quant, save_pretrained
 from jaxrlhf.models.checkpoint import move_into_place
 from jaxrlhf.runs import phases, reward_folder, setup, stopping, validation
@@ -227,7 +227,8 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     log.info("%s", placement.describe())
     task = _task(config)  # its options (stop tokens and strings, template variables and names), before any work
-    with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels():
+    with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels(), \
+            reward_workers.closing():  # the reward functions' worker processes stopped, whichever way out
         return _run(config, Path(workdir), task=task, placement=placement, sampled=sampled, stops=stops, start=start,
                     should_stop=should_stop)
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf import data, rewards
+from jaxrlhf import data, reward_workers, rewards
 from jaxrlhf.data import chat
 from jaxrlhf.algorithms.guide import GUIDE_KEYS
 from jaxrlhf.models.transformer import Transformer
@@ -397,8 +397,10 @@ def python_rewards(cfg) -> list[tuple[float, str, Callable]]:
     (None: no section, no rewards): `fns` import paths "pkg.module:function",
     comma-separated, `weights` as many floats ("" = 1.0 each). Imported here, so that a
     path that does not import stops the run before any work (`rewards.import_reward_fn`).
-    A component is named by its function, or by its whole path when two functions share
-    a name."""
+    With `timeout` > 0 seconds the function is a `reward_workers.Clocked`: it runs in a
+    worker process of its own, stopped past the timeout (`on_timeout`); 0 or None: in
+    this process, no limit. A component is
+    named by its function, or by its whole path when two functions share a name."""
     specs = [s.strip() for s in (cfg.fns if cfg is not None else "").split(",") if s.strip()]
     if not specs:
         return []
@@ -412,6 +414,11 @@ def python_rewards(cfg) -> list[tuple[float, str, Callable]]:
                          f"functions of reward.fns; give one per function (or none: 1.0 each)")
     names = [s.partition(":")[2] for s in specs]
     fns = [rewards.import_reward_fn(s) for s in specs]
+    timeout = cfg.get("timeout")
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"reward.timeout={timeout!r}: expected seconds > 0, or 0 for no limit")
+    if timeout:
+        fns = [reward_workers.Clocked(s, timeout=timeout, on_timeout=cfg.get("on_timeout", "error")) for s in specs]
     return [(w, s if names.count(n) > 1 else n, fn) for w, s, n, fn in zip(weights, specs, names, fns)]
 
 
@@ -424,7 +431,11 @@ def with_python_rewards(task: Task, cfg) -> Task:
     if not fns and (cfg is None or cfg.task_weight == 1.0):
         return task
     parts = [(float(cfg.task_weight), task.reward)]
-    parts += [(w, rewards.trl_reward(fn, task.tokenizer, name=name, eos_id=task.stop_ids)) for w, name, fn in fns]
+    bound = cfg.get("max_abs_score") or None  # 0: no bound
+    if bound is not None and not bound > 0:
+        raise ValueError(f"reward.max_abs_score={bound!r}: expected a bound > 0 on |score|, or 0 for none")
+    parts += [(w, rewards.trl_reward(fn, task.tokenizer, name=name, eos_id=task.stop_ids, max_abs_score=bound))
+              for w, name, fn in fns]
     return dataclasses.replace(task, reward=rewards.combine(parts))
 
 

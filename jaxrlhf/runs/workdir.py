@@ -74,6 +74,7 @@ SAFE_TO_CHANGE = (
     "train.monitor.*",                   # the health monitor's warning thresholds
     "train.max_param_norm_change",       # the update-size bound (runs.health)
     "*.optim.lr", "*.critic_optim.lr",   # resume after a blown-up update at a lower rate
+    "reward.timeout", "reward.on_timeout", "reward.max_abs_score",  # how slow or wild reward functions are met
 )
 
 

@@ -11,7 +11,8 @@ signals sent by the test hook `JAXRLHF_TEST_SIGNAL_AT` at named moments:
 - Ctrl-C during a save: status 130 within seconds of the signal (no wait on orbax's
   threads), the checkpoint saved before it kept;
 - a reward function that calls `sys.exit`: status 1 and an error naming it; Ctrl-C inside
-  one: status 130, naming it;
+  one (in its worker process): status 130, naming it; one that hangs: status 1 at its
+  `reward.timeout`, naming it, its worker gone;
 - a full disk: a 20 MB tmpfs mounted as the workdir's disk and filled to 400 kB of room
   (as root), or where mounting fails the same failure injected by `_full_disk.py`: the
   error line says no space is left, which checkpoint is intact, and a rerun after freeing
@@ -27,6 +28,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,15 +48,27 @@ HERE = Path(__file__).resolve().parent
 TINY = [f"--config={REPO}/configs/addition_grpo.py:tiny", "--config.train.eval_every=0"]
 
 REWARDS = '''
-import os, signal, time
+import multiprocessing, os, signal, time
 
 def bye(completions, **kwargs):
     raise SystemExit(3)
 
 def interrupted(completions, **kwargs):
-    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the function runs
+    # Ctrl-C while the function runs: the terminal sends it to the run (and to the worker
+    # process the function runs in, which ignores it)
+    os.kill(os.getppid() if multiprocessing.parent_process() else os.getpid(), signal.SIGINT)
     time.sleep(30)
     return [0.0] * len(completions)
+'''
+HUNG = '''
+import multiprocessing, os, time
+
+if multiprocessing.parent_process() is not None:  # in the worker process: its pid, as its first call starts
+    with open(os.path.join(os.path.dirname(__file__), "worker.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+def hang(completions, **kwargs):
+    time.sleep(3600)
 '''
 
 
@@ -183,6 +197,41 @@ def test_ctrl_c_inside_a_reward_function_names_it(tmp_path, cache, reward_module
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert _last_line(proc) == ("error: interrupted (Ctrl-C) while running reward function exiting_rewards:interrupted:"
                                 f" no checkpoint was written yet in {workdir}; rerun the same command to start again")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def test_a_hung_reward_function_stops_the_run_at_its_timeout_naming_it(tmp_path, cache):
+    """`time.sleep(3600)` under `reward.timeout=3`: status 1 with the function and the
+    timeout named, within timeout + 10 s of the first call (the worker writes its pid as
+    that call starts, after the compilation), and the worker is not left running."""
+    folder = tmp_path / "hung"
+    folder.mkdir()
+    (folder / "hung_rewards.py").write_text(HUNG)
+    workdir = tmp_path / "run"
+    proc = _train(workdir, "--config.sft.steps=0", "--config.reward.fns=hung_rewards:hang",
+                  "--config.reward.timeout=3", cache=cache, pythonpath=str(folder))
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _last_line(proc).startswith("error: reward function hung_rewards:hang did not return within 3 s "
+                                       "(reward.timeout=3) on "), _last_line(proc)
+    progress = re.findall(r"reward function hung_rewards:hang has run ([\d.]+) s on \d+ completions \(timeout 3 s\)",
+                          proc.stderr)
+    assert 2 <= len(progress) <= 3 and 0.7 <= float(progress[0]) < 1.5, progress  # every timeout / 4: 0.75, 1.5, ...
+    pid_file = folder / "worker.pid"
+    assert ended - pid_file.stat().st_mtime < 3 + 10
+    pid = int(pid_file.read_text())
+    deadline = time.time() + 5
+    while _alive(pid) and time.time() < deadline:  # reparented to init once the run is gone
+        time.sleep(0.1)
+    assert not _alive(pid)
 
 
 def test_the_reward_wrapper_in_process():

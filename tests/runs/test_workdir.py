@@ -281,3 +281,9 @@ def test_a_second_run_is_refused_while_the_workdir_is_held(run):
         assert _snapshot(run) == before
     finally:
         lock.release()
+
+
+def test_a_reward_functions_clock_and_bound_may_change_on_resume():
+    changes = _changes(_config(**{"reward.timeout": 900.0, "reward.on_timeout": "zero", "reward.max_abs_score": 0.0}))
+    assert set(changes) == {"reward.timeout", "reward.on_timeout", "reward.max_abs_score"}
+    assert all(c.safe for c in changes.values())
