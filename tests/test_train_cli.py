@@ -214,3 +214,91 @@ def test_every_phase_checked_against_the_mesh_before_any_work(algorithm, section
     else:
         with pytest.raises(ValueError, match=message):
             validation.check_config(config, _Mesh(ways))
+
+
+def _train_measured(*args) -> tuple[subprocess.CompletedProcess, int, float]:
+    """`_train`, with the peak RSS (bytes) of that one child (`os.wait4`: RUSAGE_CHILDREN
+    would be the largest of every child the test session ever waited for) and its seconds."""
+    import tempfile
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXRLHF_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla.flags(None))
+    argv = [sys.executable, "-m", "jaxrlhf.train", *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.monotonic()
+        child = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.monotonic() - start
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read())
+    return proc, usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024), seconds  # KiB on Linux
+
+
+@pytest.fixture(scope="module")
+def truncated_generation_config(tmp_path_factory, chat_files):
+    """A run whose model folder has `generation_config.json` cut mid-file, read with the task
+    after its eight rows (`text_stop_ids`): (process, peak RSS, seconds, folder, workdir) —
+    also the memory of a run that reads no huge row, for the cases below."""
+    root = tmp_path_factory.mktemp("gen")
+    ckpt = shutil.copytree(chat_files / "ckpt", root / "ckpt")
+    (ckpt / "generation_config.json").write_text('{"eos_token_id": [2, ')
+    proc, peak, seconds = _train_measured(
+        f"--config={REPO}/configs/hf_gsm8k_grpo.py:tiny", f"--config.model.path={ckpt}",
+        f"--config.task.path={chat_files / 't.jsonl'}", f"--workdir={root / 'w'}")
+    print(f"truncated generation_config.json: exit {proc.returncode} in {seconds:.1f} s, "
+          f"peak RSS {peak / 2**20:.0f} MiB")
+    return proc, peak, seconds, ckpt, root / "w"
+
+
+def test_a_truncated_generation_config_is_named(truncated_generation_config):
+    """One line naming the file, before the run claims its workdir."""
+    proc, _, _, ckpt, workdir = truncated_generation_config
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = _last_line(proc)
+    assert last.startswith(f"error: {ckpt / 'generation_config.json'} is truncated or corrupt: it is not valid JSON"), \
+        last
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists()
+
+
+@pytest.fixture(scope="module")
+def huge_row_file(chat_files):
+    """Eight good prompts and, as line 3, one valid row whose question is 50 M characters
+    (about 50 MB, written in 1 MB pieces): 50× `task.max_row_bytes`' default of 1 MiB."""
+    path = chat_files / "huge.jsonl"
+    good = [json.dumps({"question": f"{a}+1", "answer": f"#### {a + 1}"}) + "\n" for a in range(8)]
+    with open(path, "w") as f:
+        f.writelines(good[:2])
+        f.write('{"question": "')
+        for _ in range(50):
+            f.write("7" * 10**6)
+        f.write('", "answer": "#### 1"}\n')
+        f.writelines(good[2:])
+    assert path.stat().st_size > 50 * 10**6
+    return path
+
+
+# Each case reads the 50 MB line past in 1 MiB + 1 byte pieces: its peak RSS stays within
+# a few MiB of the run that reads no huge row (measured: 484-489 MiB). Holding the line
+# even once costs 48 MiB; with max_row_bytes=0 (no bound) the same run peaks at 628 MiB.
+@pytest.mark.parametrize("arg, last", [
+    ("--config.task.on_error=raise", "error: {}:3: the line is longer than max_row_bytes=1048576 bytes "
+                                     "(set JAXRLHF_TRACEBACK=1 for the full traceback)"),
+    # the default: the task is built from the eight other rows; the bad stop token, checked
+    # after them, ends the run before its workdir is claimed, so no training runs
+    ("--config.task.stop_tokens=zzz", "error: task.stop_tokens: 'zzz' is neither a token of the tokenizer"),
+], ids=["raise", "skip"])
+def test_a_huge_row_is_refused_before_it_is_expanded(tmp_path, chat_files, huge_row_file,
+                                                     truncated_generation_config, arg, last):
+    workdir = tmp_path / "w"
+    proc, peak, seconds = _train_measured(
+        f"--config={REPO}/configs/hf_gsm8k_grpo.py:tiny", f"--config.model.path={chat_files / 'ckpt'}",
+        f"--config.task.path={huge_row_file}", arg, f"--workdir={workdir}")
+    print(f"huge row, {arg}: exit {proc.returncode} in {seconds:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _last_line(proc).startswith(last.format(huge_row_file)), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists()
+    assert peak < 1.5 * 2**30 and peak < truncated_generation_config[1] + 24 * 2**20, peak
