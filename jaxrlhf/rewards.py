@@ -261,11 +261,14 @@ class Reward:
         return out
 
     def host_scores(self, inputs: RewardInput, extras: Mapping[str, Any], *,
-                    cut_at_eos: bool = True) -> dict[str, np.ndarray]:
+                    cut_at_eos: bool = True, drop_unscored: bool = False) -> dict[str, np.ndarray]:
         """`{name: [N] float32}` of the host components (numpy inputs; runs Python).
 
         `cut_at_eos=False`: the responses come from a sampler without EOS (`eos_id=None`),
         which the loss trains on whole: decode them whole too (the module's rule).
+        A row that every weighted component leaves unscored (`scored`) is an error naming
+        it; with `drop_unscored=True` (the caller drops such rows: GRPO) only a batch with
+        no scored row at all is.
         """
         n = np.shape(inputs.response_ids)[0]
         out = {}
@@ -301,7 +304,12 @@ class Reward:
         weighted = [c for c in self.components if c.weight != 0]
         if out and weighted and all(c.kind == "host" for c in weighted):
             unscored = np.flatnonzero(np.all([np.isnan(out[c.name]) for c in weighted], axis=0))
-            if unscored.size:
+            if unscored.size == n and drop_unscored:
+                raise ValueError(f"no row of the batch has a score: every reward with a weight "
+                                 f"({', '.join(origin(c.fn) for c in weighted)}) returned None for all {n} rows; "
+                                 "there is nothing to learn from: score some, or give the task's own reward a "
+                                 "weight (reward.task_weight > 0)")
+            if unscored.size and not drop_unscored:
                 i = int(unscored[0])
                 raise ValueError(f"row {i} (prompt {prompts[i][:80]!r}) has no score: every reward with a weight "
                                  f"({', '.join(c.name for c in weighted)}) returned None for it ({unscored.size} of "
@@ -316,6 +324,16 @@ class Reward:
         if missing:
             raise KeyError(f"scores of reward components {missing} are missing")
         return sum(jnp.float32(c.weight) * _scored(c, scores[c.name])[0] for c in self.components)
+
+    def scored(self, scores: Mapping[str, Any]) -> jax.Array:
+        """`[N]` bool: False on the rows that every weighted component leaves unscored (each
+        a host component whose function returned None), True elsewhere (everywhere when a
+        weighted component is not a host one, or when no component has a weight)."""
+        weighted = [c for c in self.components if c.weight != 0]
+        first = jnp.asarray(scores[self.components[0].name])
+        if not weighted or any(c.kind != "host" for c in weighted):
+            return jnp.ones(first.shape, bool)
+        return jnp.any(jnp.stack([_scored(c, scores[c.name])[1] > 0 for c in weighted]), axis=0)
 
     def metrics(self, scores: Mapping[str, Any]) -> dict[str, jax.Array]:
         """`{"reward/<name>": mean}` for every component (unweighted means; a host
@@ -374,7 +392,8 @@ def trl_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: floa
     (e.g. `answer`), repeated for its samples. Decoding as in `host_reward`. As in TRL, a
     score may be a `bool` (0/1) or `None`: no score for that response, left out of this
     reward's term (it adds 0) and of its `reward/<name>` mean; a row no weighted reward
-    scores is an error. A score above `max_abs_score` in absolute value is an error naming
+    scores (`Reward.scored`) is dropped from a GRPO update (`reward/dropped`), and an
+    error elsewhere (PPO). A score above `max_abs_score` in absolute value is an error naming
     the row. `fn` may be a `reward_workers.Clocked`: the function runs in a worker process
     under a timeout."""
     def call(prompts, responses, extras):

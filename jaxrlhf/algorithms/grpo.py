@@ -141,23 +141,28 @@ class Batch(NamedTuple):
 # (score shaping — DAPO's overlong_penalty, dynamic sampling's select_groups — is in scoring)
 
 
-def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Array) -> jax.Array:
+def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Array, *,
+                       scored: jax.Array | None = None) -> jax.Array:
     """Per-token advantages `[N, T]` from sequence scores `[N]` (groups contiguous).
 
-    Group methods: `ops.group_advantages(scores, G, method, eps=cfg.adv_eps)` broadcast to
-    the valid tokens; "reinforce_pp": `ops.whiten` of the broadcast scores over the batch.
+    Group methods: `ops.group_advantages(scores, G, method, eps=cfg.adv_eps, mask=scored)`
+    broadcast to the valid tokens; "reinforce_pp": `ops.whiten` of the broadcast scores over
+    the batch. `scored` `[N]` bool (None: all): the rows that have a score; the others get 0
+    and are left out of every baseline (`Reward.scored`).
     """
     scores = jnp.asarray(scores, jnp.float32)
     if scores.ndim != 1 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"compute_advantages: scores must be [N] with N = response_mask.shape[0] = "
                          f"{response_mask.shape[0]}, got {scores.shape}")
     g = cfg.group_size
+    if scored is not None:
+        response_mask = response_mask * jnp.asarray(scored, response_mask.dtype)[:, None]
     if cfg.advantage == "reinforce_pp":
         return ops.whiten(ops.broadcast_sequence(scores, response_mask), response_mask)
     if scores.shape[0] % g:
         raise ValueError(f"compute_advantages: {scores.shape[0]} responses do not split into groups of "
                          f"G = sampling.num_samples = {g}; the batch must hold whole groups")
-    adv = ops.group_advantages(scores, g, method=cfg.advantage, eps=cfg.adv_eps)
+    adv = ops.group_advantages(scores, g, method=cfg.advantage, eps=cfg.adv_eps, mask=scored)
     return ops.broadcast_sequence(adv, response_mask)
 
 
@@ -307,6 +312,14 @@ def _chunk_loss(params, chunk, index, *, cfg, model, total_tokens, guide_tokens,
 # --------------------------------------------------------------------------- iteration
 
 
+def _fill_unscored(scores: jax.Array, scored: jax.Array, g: int) -> jax.Array:
+    """`scores` `[N]` with each unscored row's replaced by its group's first scored row's
+    (unchanged in a group with none), so a group's max and min are its scored rows'."""
+    s, m = scores.reshape(-1, g), scored.reshape(-1, g)
+    first = jnp.take_along_axis(s, jnp.argmax(m, axis=1)[:, None], axis=1)
+    return jnp.where(m, s, first).reshape(-1)
+
+
 def rollout(state: GRPOState, prompt_ids, prompt_mask, rng, *, model: Transformer, cfg: GRPOConfig) -> SampleOutput:
     """Samples G responses per prompt: a `SampleOutput` of `N = B·G` rows, a prompt's
     samples contiguous."""
@@ -322,7 +335,12 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     `kl_terms.sequence_reward`) → advantages: the update's `Batch` and the rollout's metrics.
     With `guide_coef` > 0 the extras must hold `guide.GUIDE_KEYS`: the batch then carries the
     references of the (kept) groups whose best total score is below `guide_below`
-    (`guide/failed_fraction` in the metrics)."""
+    (`guide/failed_fraction` in the metrics).
+
+    A row that every weighted reward leaves unscored (a host reward's None,
+    `Reward.scored`) is dropped: response mask 0 in the batch (no loss term, no token in any
+    aggregation), out of its group's baseline (`compute_advantages(..., scored=)`), its
+    group's dynamic selection and `reward/mean`; `reward/dropped` counts them."""
     del rng
     g = cfg.group_size
     n_pool = out.response_ids.shape[0]
@@ -337,9 +355,10 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     scores = {**reward.device_scores(rewards_lib.RewardInput.from_sample(out), extras_N, state.reward_params),
               **host_scores}
     total = reward.total(scores)
+    scored = None if reward.is_jax else reward.scored(scores)  # only a host reward leaves rows unscored
     lengths = out.response_mask.sum(axis=1)
     metrics = dict(reward.metrics(scores))
-    metrics.update({"reward/mean": jnp.mean(total), "reward/std": jnp.std(total),
+    metrics.update({"reward/mean": jnp.mean(total, where=scored), "reward/std": jnp.std(total, where=scored),
                     "response_length/mean": jnp.mean(lengths.astype(jnp.float32)),
                     "response_length/max": jnp.max(lengths), "response_tokens": jnp.sum(lengths)})
     shaped = total
@@ -350,8 +369,9 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         metrics["overlong/clipped_fraction"] = jnp.mean(lengths > cfg.overlong_max_len - cfg.overlong_cache)
     if cfg.dynamic_sampling:
         k = n_pool // g if cfg.prompts_per_step is None else cfg.prompts_per_step
-        sel = select_groups(shaped, g, k)
+        sel = select_groups(shaped if scored is None else _fill_unscored(shaped, scored, g), g, k)
         out = jax.tree.map(lambda x: x[sel.indices], out)
+        scored = None if scored is None else scored[sel.indices]
         shaped = shaped[sel.indices]
         total = total[sel.indices]
         extras_N = {k: v[sel.indices] for k, v in extras_N.items()}
@@ -372,7 +392,10 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         kl_N = kl_terms.sequence_kl(kl_NxT, mask)
         metrics["kl_seq"] = jnp.mean(kl_N)
         kl_N = kl_N if cfg.kl_config.adaptive else None
-    adv = compute_advantages(shaped, cfg, mask)
+    if scored is not None:
+        metrics["reward/dropped"] = jnp.sum(~scored)
+        mask = mask * scored[:, None].astype(mask.dtype)
+    adv = compute_advantages(shaped, cfg, mask, scored=scored)
     if cfg.dynamic_sampling:
         adv = jnp.where(jnp.repeat(sel.has_signal, g)[:, None], adv, 0.0)
     zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1)  # n = K·G always
@@ -463,7 +486,8 @@ def make_iteration(model: Transformer, tx: optax.GradientTransformation, cfg: GR
     def host(extras):
         if reward.is_jax:
             return None
-        return lambda out: scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id)
+        return lambda out: scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id,
+                                               drop_unscored=True)
 
     def iteration(state, prompt_ids, prompt_mask, extras=None, rng=None):
         arrays, _ = scoring.split_extras(extras)

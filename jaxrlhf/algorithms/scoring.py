@@ -104,12 +104,13 @@ def repeat_extras(extras: Mapping[str, Any] | None, g: int, n_prompts: int) -> d
 
 
 def host_scores(reward: rewards.Reward, out, extras: Mapping[str, Any] | None, g: int, *,
-                eos_id: int | None) -> dict[str, np.ndarray]:
+                eos_id: int | None, drop_unscored: bool = False) -> dict[str, np.ndarray]:
     """`{name: [N]}` of the host components of `reward` on the sampled responses `out` (a
     `rollout.SampleOutput` of numpy arrays, `N = B·G` rows), given the prompts' `extras`:
     arrays repeated per sample with numpy, lists of `B` values (e.g. answer strings) too.
     `eos_id`: the sampler's; None (it never stopped) decodes each response whole, as the
-    loss sees it (`jaxrlhf.rewards`' rule)."""
+    loss sees it (`jaxrlhf.rewards`' rule). `drop_unscored`: a row no weighted reward
+    scores is no error (the caller drops it; `Reward.host_scores`)."""
     n_prompts = out.response_ids.shape[0] // g
     arrays, others = split_extras(extras)
     per_sample = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in arrays.items()}
@@ -118,7 +119,8 @@ def host_scores(reward: rewards.Reward, out, extras: Mapping[str, Any] | None, g
         if len(v) != n_prompts:
             raise ValueError(f"extras[{k!r}] has {len(v)} entries; expected one per prompt ({n_prompts})")
         per_sample[k] = [x for x in v for _ in range(g)]
-    return reward.host_scores(rewards.RewardInput.from_sample(out), per_sample, cut_at_eos=eos_id is not None)
+    return reward.host_scores(rewards.RewardInput.from_sample(out), per_sample, cut_at_eos=eos_id is not None,
+                              drop_unscored=drop_unscored)
 
 
 # --------------------------------------------------------------------------------------

@@ -220,7 +220,8 @@ def whiten(
 
 
 def group_advantages(
-    scores: jax.Array, group_size: int, method: str = "grpo", eps: float = 1e-6
+    scores: jax.Array, group_size: int, method: str = "grpo", eps: float = 1e-6, *,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """Critic-free advantages from groups of `G` responses to the same prompt.
 
@@ -233,11 +234,18 @@ def group_advantages(
 
     A group whose scores are all equal gets 0 (never NaN) under every method.
 
+    With a `mask` `m` (1 on the rows that have a score), each group's statistics are over
+    its `n_g = Σ_{i∈g} m_i` scored rows only: `mean_g = Σ m_j s_j / n_g`,
+    `std_g = sqrt(Σ m_j (s_j − mean_g)² / (n_g − 1))`, rloo's baseline
+    `Σ_{j≠i} m_j s_j / (n_g − 1)`; an unscored row (its score is ignored) and every row of a
+    group with `n_g < 2` get 0. A mask of ones gives the formulas above.
+
     Args:
       scores: `[N]` sequence scores.
       group_size: `G ≥ 2`, a static int dividing `N`.
       method: "grpo", "dr_grpo" or "rloo".
       eps: ε of "grpo".
+      mask: `[N]` bool or float, 1 on the scored rows; None: every row is scored.
 
     Returns:
       `[N]` float32 sequence advantages (see `broadcast_sequence` for `[N, T]`).
@@ -253,6 +261,10 @@ def group_advantages(
             f"{fn}: `scores` has N = {n} entries, not a multiple of group_size = {group_size} "
             "(groups must be complete and contiguous)"
         )
+    if mask is not None:
+        mask = _checks.mask_like(fn, mask, ("N",), "scores", scores.shape)
+        return _masked_group_advantages(scores.reshape(n // group_size, group_size),
+                                        mask.reshape(n // group_size, group_size), method, eps).reshape(n)
     s = scores.reshape(n // group_size, group_size)
     # Every formula is invariant to a per-group shift; subtracting the group's first score
     # makes an all-equal group exactly 0 before any division (XLA may divide by a constant
@@ -270,6 +282,28 @@ def group_advantages(
         std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
         adv = (s - mean) / (std + eps)
     return adv.reshape(n)
+
+
+def _masked_group_advantages(s_KxG: jax.Array, mask_KxG: jax.Array, method: str, eps: float) -> jax.Array:
+    """`group_advantages` over the scored rows (`mask_KxG`) of each group, `[K, G]`."""
+    m = mask_KxG.astype(jnp.bool_)
+    # The shift of the unmasked form, by the group's first scored row (any row when none is).
+    first = jnp.argmax(m, axis=1)[:, None]
+    s = jnp.where(m, s_KxG - jnp.take_along_axis(s_KxG, first, axis=1), 0.0)
+    count = jnp.sum(m, axis=1, keepdims=True, dtype=jnp.float32)
+    enough = count >= 2
+    denom = jnp.where(enough, count, 2.0)  # no division by 0 or 1 reaches a kept value
+    total = jnp.sum(s, axis=1, keepdims=True)
+    mean = total / denom
+    if method == "rloo":
+        adv = s - (total - s) / (denom - 1)
+    elif method == "dr_grpo":
+        adv = s - mean
+    else:
+        var = jnp.sum(jnp.where(m, jnp.square(s - mean), 0.0), axis=1, keepdims=True) / (denom - 1)
+        std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+        adv = (s - mean) / (std + eps)
+    return jnp.where(m & enough, adv, 0.0)
 
 
 def broadcast_sequence(x: jax.Array, mask: jax.Array) -> jax.Array:

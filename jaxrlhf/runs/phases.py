@@ -193,7 +193,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     state, state_sh = placement.init_state(make, *args, params_shardings=p_sh, roles=roles)
     # The task pads every prompt to one length already: no buckets.
     step = _rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
-                    keys, pool, gcfg.sampling, task=task,
+                    keys, pool, gcfg.sampling, task=task, drop_unscored=True,
                     completions=_completions(train, writer, "grpo", lambda s: s.reward_params,
                                              with_advantage=not gcfg.dynamic_sampling))
     monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
@@ -223,8 +223,10 @@ def _advantages(prepared):
 
 
 def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
-             rows: int, sampling, *, task: Task, completions=None):
+             rows: int, sampling, *, task: Task, completions=None, drop_unscored: bool = False):
     """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
+    `drop_unscored`: the phase drops a row no weighted host reward scores (GRPO), which is
+    then no error (`Reward.host_scores`; a process whose rows are all unscored still is).
 
     With `train.time_split` (or a host reward, which needs the responses on the host before
     scoring) three timed programs, `timing.run_split`: a sharded rollout, the host reward
@@ -265,7 +267,7 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
         def score(out):
             mine = jax.tree.map(placement.local_rows, out)
             host = scoring.host_scores(reward, mine, {k: local[k] for k in keys}, sampling.num_samples,
-                                       eos_id=sampling.eos_id)
+                                       eos_id=sampling.eos_id, drop_unscored=drop_unscored)
             host = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype)) for k, v in host.items()}
             return placement.global_batch(host, rows * sampling.num_samples)
         return score

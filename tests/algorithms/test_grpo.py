@@ -494,3 +494,52 @@ def test_prompts_of_five_lengths_compile_once_per_bucket_and_padding_changes_not
     _, m = plain(state, batches[0], mask0, {}, jax.random.key(0))
     for k in ("reward/mean", "loss", "grad_norm", "entropy"):
         np.testing.assert_allclose(metrics[0][k], m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+def test_rows_no_weighted_reward_scores_are_dropped_from_the_update():
+    """A row whose every weighted reward returned None: response mask 0, out of its group's
+    baseline, no influence on the update (its advantages and log-probs may be anything),
+    counted in `reward/dropped`."""
+    reward = rewards.combine([(1.0, rewards.host_reward(lambda p, r, ex: [0.0] * len(r), _WordTokenizer(),
+                                                        name="host")),
+                              (0.0, rewards.jax_reward(target_fraction, name="jax_target"))])
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=4), beta=0.1, entropy_coef=0.01)
+    tx = optax.adam(1e-2)
+    state = grpo.init_state(PARAMS, tx, ref_params=PARAMS)
+    prompts = jnp.asarray(np.random.default_rng(1).integers(4, CFG.vocab_size, (3, P)), jnp.int32)
+    out = grpo.rollout(state, prompts, jnp.ones_like(prompts, bool), jax.random.key(0), model=MODEL, cfg=cfg)
+    host = np.random.default_rng(2).standard_normal(12).astype(np.float32)
+    dropped = np.array([0, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1], bool)  # groups with 3, 1 and 0 scored rows
+    host[dropped] = np.nan
+    batch, m = grpo.score(state, out, {}, {"host": host}, None, model=MODEL, cfg=cfg, reward=reward)
+    assert int(m["reward/dropped"]) == 8
+    np.testing.assert_allclose(m["reward/mean"], np.nanmean(host), rtol=1e-6)
+    assert not np.asarray(batch.response_mask)[dropped].any()
+    np.testing.assert_array_equal(batch.response_mask[~dropped], out.response_mask[~dropped])
+    # Group 0's three scored rows are a group of 3; the others have no baseline (< 2 scored rows).
+    want = np.zeros(12, np.float32)
+    want[[0, 2, 3]] = ops.group_advantages(host[[0, 2, 3]], 3)
+    np.testing.assert_allclose(batch.advantages, ops.broadcast_sequence(want, batch.response_mask), atol=1e-6)
+
+    train = jax.jit(functools.partial(grpo.train, model=MODEL, tx=tx, cfg=cfg))
+    state1, m1 = train(state, batch, jax.random.key(1))
+    rows = jnp.asarray(dropped)[:, None]
+    garbage = batch._replace(advantages=jnp.where(rows, 9.0, batch.advantages),
+                             ref_logp=jnp.where(rows, -9.0, batch.ref_logp))  # what a dropped row holds is unused
+    state2, m2 = train(state, garbage, jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(state1.policy.params), jax.tree.leaves(state2.policy.params)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(m1["loss"], m2["loss"])
+    assert not np.array_equal(jax.tree.leaves(state1.policy.params)[0], jax.tree.leaves(PARAMS)[0])
+
+
+def test_a_batch_no_weighted_reward_scores_is_an_error_naming_the_function():
+    def never(completions, **kw):
+        return [None] * len(completions)
+
+    reward = rewards.trl_reward(never, _WordTokenizer())
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=2))
+    it = grpo.make_iteration(MODEL, optax.sgd(0.0), cfg, reward)
+    prompts = jnp.ones((2, P), jnp.int32) * 5
+    with pytest.raises(ValueError, match=rf"no row of the batch has a score: every reward with a weight \({__name__}:"
+                                         r"\S*never\) returned None for all 4 rows"):
+        it(grpo.init_state(PARAMS, optax.sgd(0.0)), prompts, jnp.ones_like(prompts, bool), {}, jax.random.key(0))

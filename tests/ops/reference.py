@@ -134,6 +134,18 @@ def group_advantages(scores, group_size, method="grpo", eps=1e-6):
     return out
 
 
+
+def masked_group_advantages(scores, mask, group_size, method="grpo", eps=1e-6):
+    """Each group's advantages over its scored rows alone; 0 for the others and for a group
+    with fewer than two scored rows."""
+    (scores,) = _f64(scores)
+    out = np.zeros(scores.shape)
+    for start in range(0, len(scores), group_size):
+        rows = [start + i for i in range(group_size) if mask[start + i]]
+        if len(rows) >= 2:
+            out[rows] = group_advantages(scores[rows], len(rows), method, eps)
+    return out
+
 def aggregate(x, mask, mode="token-mean", norm_len=None):
     x, mask = _f64(x, mask)
     b_size, t_size = x.shape

@@ -104,6 +104,34 @@ def test_group_advantages_hand_values():
     np.testing.assert_allclose(ops.group_advantages(s, 3, method="rloo"), [-1.5, 0.0, 1.5])
 
 
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
+def test_masked_group_advantages_match_reference(method):
+    # Groups of G = 4 with 4, 3, 2, 1 and 0 scored rows (the last two: no baseline, all 0).
+    scores = np.random.default_rng(3).standard_normal(20).astype(np.float32)
+    mask = np.array([1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+    want = reference.masked_group_advantages(scores, mask, 4, method)
+    eager = ops.group_advantages(scores, 4, method=method, mask=mask)
+    np.testing.assert_allclose(eager, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_group_adv(scores, group_size=4, method=method, mask=mask), eager, rtol=1e-6,
+                               atol=1e-6)  # jit = eager up to XLA's fused float32 rounding
+    # An unscored row's score is ignored; a mask of ones is the unmasked form.
+    np.testing.assert_array_equal(ops.group_advantages(np.where(mask, scores, 1e3), 4, method=method, mask=mask),
+                                  eager)
+    np.testing.assert_allclose(ops.group_advantages(scores, 4, method=method, mask=np.ones(20)),
+                               ops.group_advantages(scores, 4, method=method), rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda s: jnp.sum(_group_adv(s, group_size=4, method=method, mask=mask) ** 2))(scores)
+    assert np.all(np.isfinite(grad)) and np.all(grad[~mask] == 0)
+
+
+def test_masked_group_advantages_hand_values():
+    # Group [1, 5, 2, 3] with row 1 unscored: the group [1, 2, 3] of the hand values above.
+    s, m = jnp.array([1.0, 5.0, 2.0, 3.0]), jnp.array([True, False, True, True])
+    np.testing.assert_allclose(ops.group_advantages(s, 4, mask=m), [-1.0, 0.0, 0.0, 1.0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.group_advantages(s, 4, method="rloo", mask=m), [-1.5, 0.0, 0.0, 1.5])
+    with pytest.raises(ValueError, match=r"`mask` must have shape"):
+        ops.group_advantages(s, 4, mask=jnp.ones(3))
+
 _group_adv = jax.jit(ops.group_advantages, static_argnames=("group_size", "method"))
 
 
