@@ -463,7 +463,9 @@ def _make_scorer(task: Task, placement):
     """`score(out, batch, rows, repeat) -> (reward components [rows·repeat], out on the
     host)` of the first rows·repeat rows of `out`, the responses to the prompts of `batch`,
     `repeat` per prompt, cut at the task's stop strings first (`Task.cut`): the JAX
-    components on the mesh, the host ones on the decoded text."""
+    components on the mesh, the host ones on the decoded text. A row that every weighted
+    reward leaves unscored (Python functions returning None) stays, NaN in their scores:
+    `Reward.scored` finds it; a batch with no scored row is an error."""
     from jaxrlhf.runs.sharding import pad_rows
 
     device_scores = jax.jit(lambda out, extras: task.reward.device_scores(rewards.RewardInput.from_sample(out), extras),
@@ -480,7 +482,8 @@ def _make_scorer(task: Task, placement):
         parts = {k: np.asarray(v)[:n] for k, v in placement.fetch(device_scores(out, arrays)).items()}
         out = jax.tree.map(lambda x: x[:n], placement.fetch(out))
         if not task.reward.is_jax:
-            parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(out), extras))
+            # A row no weighted reward scores is left to the caller (`Reward.scored`), not an error.
+            parts.update(task.reward.host_scores(rewards.RewardInput.from_sample(out), extras, drop_unscored=True))
         return parts, out
 
     return score
@@ -536,7 +539,8 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
 
     Greedy decoding: `accuracy` is the mean of the reward's first component (the
     exact-match reward of the built-in tasks); `reward` the mean of the full weighted
-    reward. Host rewards run on the decoded text.
+    reward over the rows some weighted reward scores (NaN when none does). Host rewards run
+    on the decoded text.
 
     Sampled (`sampled`, a `runs.evaluation.SampledEval`, e.g. from `config.train.eval_samples`
     > 0): n responses per prompt at temperature τ, scored by the same code as the greedy
@@ -585,13 +589,15 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
         for _, batch, rows, placed in _prompt_batches(p, batch_size, placement):
             out = decode_greedy(params, placed["prompt_ids"], placed["prompt_mask"])
             parts, out = score(out, batch, rows, 1)
-            totals.append(np.asarray(task.reward.total(parts)))
+            totals.append(np.asarray(task.reward.total(parts))[np.asarray(task.reward.scored(parts))])
             exact.append(np.asarray(parts[first]))
             ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
             for j in range(min(return_samples - len(samples), ids.shape[0])):
                 prompt = task.decode(batch["prompt_ids"][j][batch["prompt_mask"][j]])
                 samples.append((prompt, task.decode(ids[j][mask[j]]), float(exact[-1][j])))
-        result = {"accuracy": float(np.concatenate(exact).mean()), "reward": float(np.concatenate(totals).mean())}
+        totals = np.concatenate(totals)  # the rows some weighted reward scored
+        result = {"accuracy": float(np.concatenate(exact).mean()),
+                  "reward": float(totals.mean()) if totals.size else float("nan")}
         if sampled is not None:
             result.update(sampled_eval(params))
         return (result, samples) if return_samples else result

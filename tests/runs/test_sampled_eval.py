@@ -186,3 +186,30 @@ def rewards_input(task, ids, mask):
     prompt = np.ones((ids.shape[0], 1), ids.dtype)
     return rewards.RewardInput(prompt, prompt.astype(bool), ids, mask, np.concatenate([prompt, ids], 1),
                                np.concatenate([prompt.astype(bool), mask], 1))
+
+
+def test_held_out_reward_is_over_the_rows_some_reward_scores():
+    """A Python reward in TRL's convention may return None for a row (no score): the held-out
+    `reward` is the mean over the scored rows, `accuracy` (the first component) is unchanged,
+    and a batch no weighted reward scores at all is an error naming the function."""
+    import dataclasses
+
+    from jaxrlhf import rewards
+
+    model, params, task = T.build("device")
+
+    def some(prompts, responses, ex):  # 2.0 on even prompts, no score on odd ones
+        return [2.0 if p == 0 else None for p in ex["parity"]]
+
+    def none(prompts, responses, ex):
+        return [None] * len(prompts)
+
+    want = tasks.make_accuracy_fn(model, task, batch_size=T.BATCH_SIZE)(params)["accuracy"]
+    for fn, expect in ((some, 2.0), (none, None)):
+        reward = rewards.combine([(0.0, task.reward), (1.0, rewards.host_reward(fn, T.IdsTokenizer(), name="some"))])
+        evaluate = tasks.make_accuracy_fn(model, dataclasses.replace(task, reward=reward), batch_size=T.BATCH_SIZE)
+        if expect is None:
+            with pytest.raises(ValueError, match=r"no row of the batch has a score: .*none"):
+                evaluate(params)
+        else:
+            assert evaluate(params) == {"accuracy": pytest.approx(want, abs=1e-12), "reward": pytest.approx(expect)}
