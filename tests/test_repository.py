@@ -109,7 +109,7 @@ def _check_target(page: Path, where: str, target: str) -> str | None:
 
 
 def _linked_pages() -> list[Path]:
-    pages = [REPO / "README.md", REPO / "benchmarks" / "README.md"]
+    pages = [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "benchmarks" / "README.md"]
     pages += sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "notebooks").glob("*.ipynb"))
     return [p for p in pages if p.is_file()]
 
