@@ -267,7 +267,7 @@ class Reward:
         `cut_at_eos=False`: the responses come from a sampler without EOS (`eos_id=None`),
         which the loss trains on whole: decode them whole too (the module's rule).
         A row that every weighted component leaves unscored (`scored`) is an error naming
-        it; with `drop_unscored=True` (the caller drops such rows: GRPO) only a batch with
+        it; with `drop_unscored=True` (the caller drops such rows: GRPO, PPO) only a batch with
         no scored row at all is.
         """
         n = np.shape(inputs.response_ids)[0]
@@ -392,8 +392,8 @@ def trl_reward(fn: Callable, tokenizer, *, name: str | None = None, weight: floa
     (e.g. `answer`), repeated for its samples. Decoding as in `host_reward`. As in TRL, a
     score may be a `bool` (0/1) or `None`: no score for that response, left out of this
     reward's term (it adds 0) and of its `reward/<name>` mean; a row no weighted reward
-    scores (`Reward.scored`) is dropped from a GRPO update (`reward/dropped`), and an
-    error elsewhere (PPO). A score above `max_abs_score` in absolute value is an error naming
+    scores (`Reward.scored`) is dropped from a GRPO or PPO update (`reward/dropped`) and
+    left out of the held-out evaluation's `reward`. A score above `max_abs_score` in absolute value is an error naming
     the row. `fn` may be a `reward_workers.Clocked`: the function runs in a worker process
     under a timeout."""
     def call(prompts, responses, extras):

@@ -126,15 +126,15 @@ def test_bool_scores_count_as_0_and_1_and_none_is_left_out_of_its_term():
     assert float(metrics["reward/flags"]) == pytest.approx(1 / 3)
 
 
-def test_a_row_no_weighted_reward_scores_is_dropped_by_grpo_and_an_error_elsewhere():
+def test_a_row_no_weighted_reward_scores_is_dropped_on_request_and_an_error_by_default():
     inputs = _inputs(["1+1=", "2+2="], ["2", "4"])
     none = rewards.trl_reward(lambda completions, **kw: [0.5, None], TOK, name="none")
     exact = rewards.jax_reward(lambda ids, mask, ex: jnp.ones(ids.shape[0]), name="exact")
     reward = rewards.combine([(0.0, exact), (1.0, none)])
     with pytest.raises(ValueError, match=r"row 1 \(prompt '2\+2='\) has no score: every reward with a weight \(none\) "
                                          r"returned None for it \(1 of 2 rows\).*reward.task_weight > 0"):
-        reward.host_scores(inputs, {})  # PPO's (and evaluation's) rule
-    scores = reward.host_scores(inputs, {}, drop_unscored=True)  # GRPO's: the row is dropped from the update
+        reward.host_scores(inputs, {})  # the default: an error
+    scores = reward.host_scores(inputs, {}, drop_unscored=True)  # GRPO and PPO: the row is dropped from the update
     np.testing.assert_array_equal(reward.scored({**scores, "exact": np.ones(2)}), [True, False])
     weighted = rewards.combine([(0.1, exact), (1.0, none)])
     weighted.host_scores(inputs, {})  # the task's reward scores every row

@@ -252,7 +252,13 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     """The reward's JAX components (the reward model on `state.reward_params`) given the
     prompts' `extras` (`[B, ...]` arrays, repeated per sample) beside the host ones'
     `host_scores`, then the forward passes (old/ref log-probs, values), score shaping,
-    advantages and the KL controller's next β: `(Scored, rollout metrics)`."""
+    advantages and the KL controller's next β: `(Scored, rollout metrics)`.
+
+    A row that every weighted reward leaves unscored (a host reward's None,
+    `Reward.scored`) is dropped: response mask 0 in the batch (no policy, value, KL or
+    entropy term, no token in any aggregation or in the advantage whitening), out of the
+    score whitening (batch or running moments), the KL controller's input and the score
+    metrics; `reward/dropped` counts them. Only a reward with a host component has such rows."""
     del rng
     g = cfg.sampling.num_samples
     extras_n = scoring.repeat_extras(extras, g, out.response_ids.shape[0] // g)
@@ -262,14 +268,21 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     p = out.sequences.shape[1] - out.response_ids.shape[1]
     roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
                          scores, sampler_logp=out.logprobs)
-    processed, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg)
+    scored = None if reward.is_jax else reward.scored(scores)  # only a host reward leaves rows unscored
+    processed, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg,
+                                      scored=scored)
+    mask = roll.response_mask if scored is None else roll.response_mask & scored[:, None]
     beta = state.kl_ctl.beta
-    adv = compute_advantages(processed, roll.old_logp, roll.ref_logp, roll.values, roll.response_mask, beta, cfg)
-    metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg)
-    batch = Batch(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=roll.response_mask,
+    adv = compute_advantages(processed, roll.old_logp, roll.ref_logp, roll.values, mask, beta, cfg)
+    metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg, scored=scored)
+    n_rows = out.sequences.shape[0]
+    if scored is not None:
+        metrics["reward/dropped"] = jnp.sum(~scored)
+        n_rows = jnp.sum(scored)
+    batch = Batch(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=mask,
                   old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns,
                   ref_logp=roll.ref_logp if cfg.kl_in == "loss" else None)
-    kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], out.sequences.shape[0], cfg=cfg.kl_config)
+    kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], n_rows, cfg=cfg.kl_config)
     metrics["beta_next"] = kl_ctl.beta
     finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()]))
     return Scored(batch, stats, kl_ctl, finite), metrics
@@ -357,7 +370,8 @@ def make_iteration(
         if reward.is_jax and not time_split:
             return fused(state, prompt_ids, prompt_mask, arrays, rng)
         host = None if reward.is_jax else (
-            lambda out: scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id))
+            lambda out: scoring.host_scores(reward, jax.device_get(out), extras, g, eos_id=cfg.sampling.eos_id,
+                                            drop_unscored=True))
         return timing.run_split(*programs, state, prompt_ids, prompt_mask, arrays, rng, host=host)
 
     return iteration

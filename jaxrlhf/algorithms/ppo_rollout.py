@@ -135,6 +135,8 @@ def process_scores(
     response_mask_NxT: jax.Array,
     stats: RunningMoments,
     cfg: PPOConfig,
+    *,
+    scored: jax.Array | None = None,
 ) -> tuple[jax.Array, RunningMoments]:
     """Raw scores → the scalars that go on the last token, in this order:
 
@@ -143,19 +145,27 @@ def process_scores(
        running moments updated by this batch first;
     3. clipping to `[−reward_clip, reward_clip]`.
 
+    `scored` `[N]` bool (None: all): the rows that have a score (`Reward.scored`); the
+    others' values are ignored (the batch moments and the running ones are over the scored
+    rows only) and come out 0.
+
     Returns `(scores [N], updated running moments)`.
     """
     s = scores_N.astype(jnp.float32)
+    if scored is not None:
+        s = jnp.where(scored, s, 0.0)
     if cfg.missing_eos_penalty is not None:
         s = scoring.missing_eos_penalty(s, response_ids_NxT, response_mask_NxT, eos_id=cfg.sampling.eos_id,
                                         penalty=cfg.missing_eos_penalty, mode=cfg.missing_eos_mode)
     if cfg.reward_whitening == "batch":
-        s = (s - jnp.mean(s)) / jnp.sqrt(jnp.var(s) + 1e-8)
+        s = (s - jnp.mean(s, where=scored)) / jnp.sqrt(jnp.var(s, where=scored) + 1e-8)
     elif cfg.reward_whitening == "running":
-        stats = stats.update(s)
+        stats = stats.update(s, scored)
         s = (s - stats.mean) / jnp.sqrt(stats.var + 1e-8)
     if cfg.reward_clip is not None:
         s = jnp.clip(s, -cfg.reward_clip, cfg.reward_clip)
+    if scored is not None:
+        s = jnp.where(scored, s, 0.0)
     return s, stats
 
 
@@ -196,18 +206,21 @@ def compute_advantages(
     return Advantages(white, adv, ret, rewards, kl)
 
 
-def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cfg: PPOConfig) -> dict:
-    """Rollout-side metrics (docs/concepts.md#what-a-run-shows; all float32 scalars)."""
-    mask = roll.response_mask
-    length = jnp.sum(mask, axis=1).astype(jnp.float32)
+def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cfg: PPOConfig, *,
+                    scored: jax.Array | None = None) -> dict:
+    """Rollout-side metrics (docs/concepts.md#what-a-run-shows; all float32 scalars).
+    `scored` `[N]` bool (None: all): the rows the update trains on; the scores', KL's and
+    token metrics are over those, the response lengths and `eos_frac` over every row."""
+    length = jnp.sum(roll.response_mask, axis=1).astype(jnp.float32)
+    mask = roll.response_mask if scored is None else roll.response_mask & scored[:, None]
     k1 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k1")
     k3 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k3")
     out = dict(
-        score_mean=jnp.mean(raw_scores), score_std=jnp.std(raw_scores),
-        score_processed_mean=jnp.mean(scores),
-        shaped_reward_mean=jnp.mean(jnp.sum(adv.rewards, axis=1)),
+        score_mean=jnp.mean(raw_scores, where=scored), score_std=jnp.std(raw_scores, where=scored),
+        score_processed_mean=jnp.mean(scores, where=scored),
+        shaped_reward_mean=jnp.mean(jnp.sum(adv.rewards, axis=1), where=scored),
         kl_k1=ops.masked_mean(k1, mask), kl_k3=ops.masked_mean(k3, mask),
-        kl_seq=jnp.mean(jnp.sum(adv.kl, axis=1)),  # nats per response, the controller's input
+        kl_seq=jnp.mean(jnp.sum(adv.kl, axis=1), where=scored),  # nats per response, the controller's input
         beta=jnp.asarray(beta, jnp.float32),
         response_length_mean=jnp.mean(length), response_length_max=jnp.max(length),
         advantage_mean=ops.masked_mean(adv.raw_advantages, mask),
@@ -219,7 +232,7 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
         **roll.reward_metrics,
     )
     if cfg.sampling.eos_id is not None:
-        has_eos = finished(roll.response_ids, mask, cfg.sampling.eos_id)
+        has_eos = finished(roll.response_ids, roll.response_mask, cfg.sampling.eos_id)
         out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))
     return out
 

@@ -139,16 +139,27 @@ class RunningMoments:
     def create(cls) -> "RunningMoments":
         return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32))
 
-    def update(self, x_N: jax.Array) -> "RunningMoments":
-        """Chan et al.'s parallel merge of (count, mean, M2) with a new batch."""
+    def update(self, x_N: jax.Array, mask: jax.Array | None = None) -> "RunningMoments":
+        """Chan et al.'s parallel merge of (count, mean, M2) with a new batch: its rows where
+        `mask` `[N]` bool is True (None: all); a batch with no such row changes nothing."""
         x = x_N.astype(jnp.float32)
-        n = jnp.float32(x.shape[0])
-        mean_b, var_b = jnp.mean(x), jnp.var(x)
+        if mask is None:
+            n = jnp.float32(x.shape[0])
+            mean_b, var_b = jnp.mean(x), jnp.var(x)
+        else:
+            mask = jnp.asarray(mask, bool)
+            n = jnp.sum(mask, dtype=jnp.float32)
+            x = jnp.where(mask, x, 0.0)  # a masked-out row's value (even NaN) reaches no sum
+            mean_b = jnp.sum(x) / jnp.maximum(n, 1.0)
+            var_b = jnp.sum(jnp.where(mask, jnp.square(x - mean_b), 0.0)) / jnp.maximum(n, 1.0)
         total = self.count + n
+        safe = jnp.maximum(total, 1.0) if mask is not None else total
         delta = mean_b - self.mean
-        mean = self.mean + delta * n / total
-        m2 = self.var * self.count + var_b * n + jnp.square(delta) * self.count * n / total
-        return RunningMoments(total, mean, m2 / total)
+        mean = self.mean + delta * n / safe
+        m2 = self.var * self.count + var_b * n + jnp.square(delta) * self.count * n / safe
+        if mask is None:
+            return RunningMoments(total, mean, m2 / total)
+        return RunningMoments(total, jnp.where(n > 0, mean, self.mean), jnp.where(n > 0, m2 / safe, self.var))
 
 
 def missing_eos_penalty(scores_N: jax.Array, response_ids_NxT: jax.Array, response_mask_NxT: jax.Array, *,

@@ -225,7 +225,7 @@ def _advantages(prepared):
 def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
              rows: int, sampling, *, task: Task, completions=None, drop_unscored: bool = False):
     """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
-    `drop_unscored`: the phase drops a row no weighted host reward scores (GRPO), which is
+    `drop_unscored`: the phase drops a row no weighted host reward scores (GRPO, PPO), which is
     then no error (`Reward.host_scores`; a process whose rows are all unscored still is).
 
     With `train.time_split` (or a host reward, which needs the responses on the host before
@@ -570,7 +570,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     state, state_sh = placement.init_state(make, *args, roles=roles)
     parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
     step = _rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
-                    pcfg.sampling, task=task,
+                    pcfg.sampling, task=task, drop_unscored=True,
                     completions=_completions(train, writer, "ppo", lambda s: on_actor(s.actor.params, s.reward_params)))
 
     def evaluate(state):

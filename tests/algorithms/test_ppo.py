@@ -473,3 +473,100 @@ def test_shared_trunk_bf16_with_reward_model_and_adaptive_kl(params):
     assert float(m1["first_approx_kl"]) < 1e-4  # bf16 compute, float32 log-probs
     assert state.critic is None and "value_head" in state.actor.params
     assert int(state.reward_stats.count) == 16
+
+
+# --------------------------------------------------------------------------------------
+# Rows no weighted reward scores (a Python function's None)
+
+
+def test_running_moments_and_whitening_see_only_the_scored_rows():
+    s = SamplingConfig(max_new_tokens=3, eos_id=2)
+    ids = jnp.array([[5, 2, 0], [5, 5, 5], [2, 0, 0], [5, 5, 2], [5, 5, 5]])
+    mask = ids != 0
+    scored = jnp.array([True, False, True, True, False])
+    raw = jnp.array([1.0, jnp.nan, 3.0, 4.0, 1e6])  # what an unscored row holds is never used
+    for whitening in ("batch", "running"):
+        cfg = ppo.PPOConfig(sampling=s, missing_eos_penalty=1.5, reward_whitening=whitening, reward_clip=1.2)
+        stats = mine = ppo.RunningMoments.create()
+        for batch in (raw, raw * 3.0 + 1.0):
+            out, stats = ppo.process_scores(batch, ids, mask, stats, cfg, scored=scored)
+            want, mine = ppo.process_scores(batch[scored], ids[scored], mask[scored], mine, cfg)
+            np.testing.assert_allclose(out[scored], want, rtol=1e-6)
+            np.testing.assert_array_equal(out[~scored], 0.0)
+            for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(mine)):
+                np.testing.assert_allclose(a, b, rtol=1e-6)
+    none = ppo.RunningMoments.create().update(raw, jnp.zeros(5, bool))  # no scored row: nothing changes
+    assert (float(none.count), float(none.mean), float(none.var)) == (0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("whitening", ["batch", "running"])
+def test_rows_no_weighted_reward_scores_are_dropped_from_the_update(params, whitening):
+    """A host reward's None on every weighted reward: the PPO score + train step equals the
+    step on the other rows alone, whatever the dropped rows hold, and `reward/dropped`
+    counts them; with nothing dropped the host path equals the JAX reward's."""
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
+                        kl_coef=0.3, kl_target=0.01, missing_eos_penalty=0.5, reward_whitening=whitening,
+                        reward_clip=1.5, gamma=0.9, lam=0.8, ent_coef=0.01, num_ppo_epochs=2)
+    host_reward = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), _IdsTokenizer(), name="host")
+    seq, attn, mask = _rollout_batch(3)
+    out = SampleOutput(seq[:, :P], attn[:, :P], seq[:, P:], mask, jnp.zeros(mask.shape), seq, attn, mask.sum(1))
+    ref = jax.tree.map(lambda x: x + jnp.asarray(0.05 * np.random.default_rng(9).standard_normal(x.shape), x.dtype),
+                       params["shared"])
+    state = ppo.init_state(cfg, SHARED, params["shared"], TX, reward=host_reward, ref_params=ref)
+    state = state.replace(reward_stats=ppo.RunningMoments(jnp.float32(6.0), jnp.float32(0.3), jnp.float32(2.0)))
+
+    def step(reward):
+        score = jax.jit(functools.partial(ppo.score, actor_model=SHARED, critic_model=None, reward=reward, cfg=cfg))
+        train = jax.jit(functools.partial(ppo.train, actor_model=SHARED, critic_model=None, tx_actor=TX,
+                                          tx_critic=None, cfg=cfg))
+        return score, train
+
+    score, train = step(host_reward)
+    host = np.random.default_rng(4).standard_normal(8).astype(np.float32)
+    dropped = np.array([0, 1, 0, 0, 1, 0, 1, 0], bool)
+    keep = ~dropped
+    junk = host.copy()
+    junk[dropped] = np.nan
+    s, m = score(state, out, {}, {"host": junk}, None)
+    assert int(m["reward/dropped"]) == 3 and bool(s.finite)
+    assert not np.asarray(s.batch.response_mask)[dropped].any()
+    np.testing.assert_array_equal(s.batch.response_mask[keep], mask[keep])
+    for x in (s.batch.advantages, s.batch.returns):
+        np.testing.assert_array_equal(np.asarray(x)[dropped], 0.0)
+
+    # The same rows masked out by hand: the step on the five scored rows alone.
+    sub = jax.tree.map(lambda x: x[keep], out)
+    s_sub, m_sub = score(state, sub, {}, {"host": host[keep]}, None)
+    for name in ("sequences", "response_mask", "old_logp", "old_values", "advantages", "returns"):
+        np.testing.assert_allclose(getattr(s.batch, name)[keep], getattr(s_sub.batch, name), atol=2e-5, err_msg=name)
+    for a, b in zip(jax.tree.leaves((s.reward_stats, s.kl_ctl)), jax.tree.leaves((s_sub.reward_stats, s_sub.kl_ctl))):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    for key in ("score_mean", "score_std", "score_processed_mean", "shaped_reward_mean", "kl_k3", "kl_seq",
+                "advantage_mean", "advantage_std", "returns_mean", "values_mean", "num_tokens", "beta_next"):
+        np.testing.assert_allclose(m[key], m_sub[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    new, mt = train(state, s, jax.random.key(1))
+    new_sub, mt_sub = train(state, s_sub, jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(new.actor.params), jax.tree.leaves(new_sub.actor.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(mt["loss"], mt_sub["loss"], rtol=1e-4, atol=1e-6)
+    assert not np.array_equal(jax.tree.leaves(new.actor.params)[0], jax.tree.leaves(state.actor.params)[0])
+    # What a dropped row holds is unused by the update.
+    rows = jnp.asarray(dropped)[:, None]
+    garbage = s._replace(batch=s.batch._replace(
+        advantages=jnp.where(rows, 9.0, s.batch.advantages), returns=jnp.where(rows, -9.0, s.batch.returns),
+        old_logp=jnp.where(rows, -9.0, s.batch.old_logp), old_values=jnp.where(rows, 5.0, s.batch.old_values)))
+    new_g, mt_g = train(state, garbage, jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(new.actor.params), jax.tree.leaves(new_g.actor.params)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(mt["loss"], mt_g["loss"])
+
+    # Nothing dropped: the host path gives the JAX reward's numbers.
+    s_host, m_host = score(state, out, {}, {"host": host}, None)
+    assert int(m_host["reward/dropped"]) == 0
+    jax_score, _ = step(rewards.jax_reward(lambda ids, rmask, ex: jnp.asarray(host), name="host"))
+    s_jax, m_jax = jax_score(state, out, {}, {}, None)
+    for a, b in zip(jax.tree.leaves(s_host), jax.tree.leaves(s_jax)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert set(m_host) - set(m_jax) == {"reward/dropped"}
+    for key in m_jax:
+        np.testing.assert_allclose(m_host[key], m_jax[key], rtol=1e-6, atol=1e-7, err_msg=key)
