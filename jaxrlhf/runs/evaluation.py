@@ -10,7 +10,7 @@ Greedy decoding gives one answer per prompt (`eval/accuracy`). Sampled evaluatio
   (`majority_at_k`, self-consistency voting).
 
 The functions here are pure NumPy over host arrays (`correct_PxN`: P prompts × n samples,
-sample `j` of prompt `p` in row `p`, column `j`); `tasks.make_accuracy_fn` samples and
+sample `j` of prompt `p` in row `p`, column `j`); `held_out.make_accuracy_fn` samples and
 scores, then calls `sampled_metrics`. `SampledEval.from_config` reads and checks the
 `config.train.eval_*` fields.
 """

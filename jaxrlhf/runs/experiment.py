@@ -22,7 +22,7 @@ The run ends with a before/after table of held-out accuracy, sample outputs, and
 whole into a temporary `workdir/.export.tmp-*` and renamed into place (an interrupted
 export removes it; one killed outright is removed by the next run). Every row of
 the table (start, after SFT, after the last phase) and every periodic evaluation
-(`train.eval_every`) is one call of `tasks.make_accuracy_fn`: greedy exact match and
+(`train.eval_every`) is one call of `held_out.make_accuracy_fn`: greedy exact match and
 reward, plus with `train.eval_samples` > 0 the sampled metrics (`mean@n`, `pass@k`,
 `maj@k`, see `runs.evaluation`) as extra columns and `eval/pass@4`-style metrics.
 
@@ -71,7 +71,8 @@ from jaxrlhf.runs import phases, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
-from jaxrlhf.runs.tasks import build_task, make_accuracy_fn, python_rewards, with_python_rewards
+from jaxrlhf.runs.held_out import make_accuracy_fn
+from jaxrlhf.runs.tasks import build_task, python_rewards, with_python_rewards
 from jaxrlhf.runs.workdir import claim
 
 log = logging.getLogger("jaxrlhf")
@@ -166,7 +167,7 @@ def _remove_stale_exports(workdir: Path) -> None:
 
 
 def _evaluating(accuracy):
-    """`accuracy` (`tasks.make_accuracy_fn`) with the test hook `exits.signal_at("eval")` first."""
+    """`accuracy` (`held_out.make_accuracy_fn`) with the test hook `exits.signal_at("eval")` first."""
     def evaluate(params, **kwargs):
         exits.signal_at("eval")
         return accuracy(params, **kwargs)

@@ -41,7 +41,8 @@ from jaxrlhf.runs.completions import completion_rows
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.stopping import EarlyStop
-from jaxrlhf.runs.tasks import Task, host_extras
+from jaxrlhf.runs.held_out import host_extras
+from jaxrlhf.runs.tasks import Task
 
 log = logging.getLogger("jaxrlhf")
 

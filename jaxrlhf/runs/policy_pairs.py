@@ -4,7 +4,7 @@ InstructGPT's recipe (Ouyang et al. 2022, §3.5): the reward model learns from c
 of the SFT policy's own responses, ranked by a labeller. Here the labeller is the task's
 reward (its first component, the exact match of the built-in tasks): after SFT,
 `samples_per_prompt` responses to each training prompt are sampled from the policy (the
-sampler the RL phases use, `tasks.make_sampled_responses`), and every prompt with mixed
+sampler the RL phases use, `held_out.make_sampled_responses`), and every prompt with mixed
 outcomes gives one pair per distinct wrong response — chosen = a correct sample,
 rejected = that wrong one. The rejected answers are the mistakes PPO will actually meet,
 where the task's synthetic pairs (`data.make_preference_pairs`) corrupt the right answer
@@ -31,7 +31,8 @@ import logging
 import jax
 import numpy as np
 
-from jaxrlhf.runs.tasks import Task, make_sampled_responses
+from jaxrlhf.runs.held_out import make_sampled_responses
+from jaxrlhf.runs.tasks import Task
 
 log = logging.getLogger("jaxrlhf")
 

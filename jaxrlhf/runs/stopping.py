@@ -134,7 +134,7 @@ def run_phases(config) -> tuple[str, ...]:
 
 def eval_metric_names(config, phase: str, sampled=None) -> set[str]:
     """The names (without `eval/`) a phase's periodic evaluation reports: the task's
-    held-out decode (`tasks.make_accuracy_fn`: accuracy, reward, the sampled metrics) for
+    held-out decode (`held_out.make_accuracy_fn`: accuracy, reward, the sampled metrics) for
     sft / grpo / ppo; DPO adds its held-out pair metrics as `pairs/<name>`; the reward
     model reports its held-out pair metrics only. The pair metrics' names come from the
     loss functions (`jax.eval_shape`, nothing computed)."""

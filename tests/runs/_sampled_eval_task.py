@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrlhf import data, rewards  # noqa: E402
-from jaxrlhf.runs import config_base, setup, tasks  # noqa: E402
+from jaxrlhf.runs import config_base, held_out, setup, tasks  # noqa: E402
 from jaxrlhf.runs.evaluation import SampledEval  # noqa: E402
 
 NUM_PROMPTS = 7
@@ -81,7 +81,7 @@ def evaluate(kind: str, placement=None, slots: int = 0) -> dict:
     model, params, task = build(kind)
     if placement is not None:
         params = placement.place_params(model, params)
-    accuracy = tasks.make_accuracy_fn(model, task, batch_size=BATCH_SIZE, placement=placement, sampled=SAMPLED,
+    accuracy = held_out.make_accuracy_fn(model, task, batch_size=BATCH_SIZE, placement=placement, sampled=SAMPLED,
                                       seed=3, slots=slots)
     return accuracy(params)
 

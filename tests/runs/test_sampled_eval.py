@@ -1,4 +1,4 @@
-"""Sampled held-out evaluation end to end (`tasks.make_accuracy_fn(sampled=...)`) on a tiny
+"""Sampled held-out evaluation end to end (`held_out.make_accuracy_fn(sampled=...)`) on a tiny
 random model, against metrics recomputed here from one whole-set call of the sampler."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import _sampled_eval_task as T  # noqa: E402
 
 from jaxrlhf import data  # noqa: E402
 from jaxrlhf.rollout.sampler import sample  # noqa: E402
-from jaxrlhf.runs import config_base, tasks  # noqa: E402
+from jaxrlhf.runs import config_base, held_out, tasks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,8 @@ def test_continuous_batching_gives_the_same_evaluation(device_metrics, monkeypat
         calls.append((kw["slots"], kw["temperature"]))
         return real(*args, **kw)
 
-    real = tasks.sample_continuous
-    monkeypatch.setattr(tasks, "sample_continuous", spy)
+    real = held_out.sample_continuous
+    monkeypatch.setattr(held_out, "sample_continuous", spy)
     assert T.evaluate("device", slots=3) == pytest.approx(device_metrics, abs=1e-12)
     assert {(3, 0.0), (3, T.SAMPLED.temperature)} <= set(calls)
 
@@ -91,7 +91,7 @@ def test_sampled_metrics_are_consistent(reference, device_metrics):
 
 def test_sampled_eval_off_returns_only_the_greedy_metrics():
     model, params, task = T.build("device")
-    assert set(tasks.make_accuracy_fn(model, task, batch_size=8)(params)) == {"accuracy", "reward"}
+    assert set(held_out.make_accuracy_fn(model, task, batch_size=8)(params)) == {"accuracy", "reward"}
 
 
 def test_addition_final_answer_is_the_text_up_to_eos():
@@ -204,10 +204,10 @@ def test_held_out_reward_is_over_the_rows_some_reward_scores():
     def none(prompts, responses, ex):
         return [None] * len(prompts)
 
-    want = tasks.make_accuracy_fn(model, task, batch_size=T.BATCH_SIZE)(params)["accuracy"]
+    want = held_out.make_accuracy_fn(model, task, batch_size=T.BATCH_SIZE)(params)["accuracy"]
     for fn, expect in ((some, 2.0), (none, None)):
         reward = rewards.combine([(0.0, task.reward), (1.0, rewards.host_reward(fn, T.IdsTokenizer(), name="some"))])
-        evaluate = tasks.make_accuracy_fn(model, dataclasses.replace(task, reward=reward), batch_size=T.BATCH_SIZE)
+        evaluate = held_out.make_accuracy_fn(model, dataclasses.replace(task, reward=reward), batch_size=T.BATCH_SIZE)
         if expect is None:
             with pytest.raises(ValueError, match=r"no row of the batch has a score: .*none"):
                 evaluate(params)
