@@ -114,7 +114,9 @@ def run_main(main: Callable[[list], Any], argv: list) -> Any:
     stop (status 0, what was kept), Ctrl-C (status 130), and any other exception or
     SystemExit written to the run log with its traceback and reported as one line (`fail`)."""
     try:
-        return main(argv)
+        result = main(argv)
+        exits.raise_if_interrupted()  # a Ctrl-C that never reached us still ends with status 130
+        return result
     except exits.Stopped as stop:
         line = exits.stopped_line(stop)
         runlog.note(line)

@@ -30,7 +30,7 @@ TEST_SIGNAL_ENV = "JAXRLHF_TEST_SIGNAL_AT"
 MOMENTS = ("between_phases", "eval", "save", "export")  # where `signal_at` is called
 
 log = logging.getLogger("jaxrlhf")
-_state: dict = {"workdir": None, "seen": collections.Counter()}
+_state: dict = {"workdir": None, "seen": collections.Counter(), "interrupted": False}
 
 
 class Stopped(SystemExit):
@@ -57,7 +57,18 @@ def _on_sigterm(signum, frame):
 
 def _on_sigint(signum, frame):
     signal.signal(signal.SIGINT, _at_once)
+    _state["interrupted"] = True  # for `raise_if_interrupted`, should code under us swallow the exception
     raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C arrived whose KeyboardInterrupt never reached the
+    run: raised where Python only prints an exception (a `__del__`, a callback of orbax's
+    save) or caught by library code. The step loop calls it at every step and after the
+    last one, and the command line before it reports success, so a Ctrl-C always ends the
+    run with status 130."""
+    if _state["interrupted"]:
+        raise KeyboardInterrupt
 
 
 def _at_once(signum, frame):
@@ -155,4 +166,4 @@ def no_space(exc: BaseException) -> str | None:
 
 
 __all__ = ["MOMENTS", "TEST_SIGNAL_ENV", "Stopped", "checkpoints", "full_disk", "install", "interrupted_line",
-           "kept", "no_space", "set_workdir", "signal_at", "stopped_line"]
+           "kept", "no_space", "raise_if_interrupted", "set_workdir", "signal_at", "stopped_line"]

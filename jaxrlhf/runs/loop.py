@@ -238,6 +238,7 @@ def run_phase(
         bar = tqdm(total=phase.num_steps, initial=start, desc=phase.name,
                    disable=not (phase.progress and writer.enabled), dynamic_ncols=True, mininterval=1.0)
         for step in range(start, end):
+            exits.raise_if_interrupted()  # a Ctrl-C that the previous step's save swallowed
             t0 = time.perf_counter()
             batch = batches.next_batch()
             with CompileCounter() as compiles:
@@ -296,6 +297,7 @@ def run_phase(
             if stop:
                 ckpt.wait()
                 raise Preempted(done)
+        exits.raise_if_interrupted()  # one the last save swallowed
     except KeyboardInterrupt:
         # Ctrl-C: a save in flight gets a bounded wait, never a hang on orbax's threads.
         if not ckpt.close(timeout=SAVE_WAIT_S):

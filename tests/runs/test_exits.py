@@ -339,6 +339,45 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
     assert _last_line(proc) == "error: interrupted twice (Ctrl-C): stopped at once, without cleaning up"
 
 
+def test_a_ctrl_c_that_code_under_the_run_swallows_still_ends_it_with_130():
+    """A KeyboardInterrupt raised where Python only prints it (a `__del__`, a callback of
+    orbax's save) or caught by library code: the run still stops with status 130, at the
+    next step of a loop (`exits.raise_if_interrupted`) or, at the latest, before success."""
+    proc, seconds = _python("""
+        import signal
+        from jaxrlhf import cli, exits
+
+        def main(argv):
+            exits.install()
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:  # swallowed, as a destructor or a callback would
+                pass
+            for step in range(3):
+                exits.raise_if_interrupted()  # the step loop's check
+                print("step", step, flush=True)
+
+        cli.run_main(main, [])
+    """)
+    assert proc.returncode == 130 and "step" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert _last_line(proc).startswith("error: interrupted (Ctrl-C): ")
+    proc, _ = _python("""
+        import signal
+        from jaxrlhf import cli, exits
+
+        def main(argv):
+            exits.install()
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pass  # and nothing checks again: run_main does before it reports success
+
+        cli.run_main(main, [])
+    """)
+    assert proc.returncode == 130, proc.stderr
+    assert _last_line(proc).startswith("error: interrupted (Ctrl-C): ")
+
+
 def test_sys_exit_in_code_the_run_calls_is_an_error_naming_where():
     proc, _ = _python("""
         import sys
