@@ -303,7 +303,7 @@ class Reward:
             out[c.name] = scores
         weighted = [c for c in self.components if c.weight != 0]
         if out and weighted and all(c.kind == "host" for c in weighted):
-            unscored = np.flatnonzero(np.all([np.isnan(out[c.name]) for c in weighted], axis=0))
+            unscored = np.flatnonzero(~np.asarray(self.scored(out)))
             if unscored.size == n and drop_unscored:
                 raise ValueError(f"no row of the batch has a score: every reward with a weight "
                                  f"({', '.join(origin(c.fn) for c in weighted)}) returned None for all {n} rows; "
@@ -330,10 +330,9 @@ class Reward:
         a host component whose function returned None), True elsewhere (everywhere when a
         weighted component is not a host one, or when no component has a weight)."""
         weighted = [c for c in self.components if c.weight != 0]
-        first = jnp.asarray(scores[self.components[0].name])
-        if not weighted or any(c.kind != "host" for c in weighted):
-            return jnp.ones(first.shape, bool)
-        return jnp.any(jnp.stack([_scored(c, scores[c.name])[1] > 0 for c in weighted]), axis=0)
+        if weighted and all(c.kind == "host" for c in weighted):
+            return jnp.any(jnp.stack([_scored(c, scores[c.name])[1] > 0 for c in weighted]), axis=0)
+        return jnp.ones(jnp.shape(scores[self.components[0].name]), bool)
 
     def metrics(self, scores: Mapping[str, Any]) -> dict[str, jax.Array]:
         """`{"reward/<name>": mean}` for every component (unweighted means; a host
