@@ -79,8 +79,8 @@ def run_jaxrlhf(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> 
 
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0,
                                                 eos_id=None),
-                        kl_estimator="k1", kl_coef=0.05, gamma=1.0, lam=0.95, whiten_advantages=True,
-                        clip=0.2, vf_clip=0.2, vf_coef=0.1, num_ppo_epochs=epochs, num_minibatches=1,
+                        kl_estimator="k1", beta=0.05, gamma=1.0, lam=0.95, whiten_advantages=True,
+                        clip_low=0.2, vf_clip=0.2, vf_coef=0.1, num_ppo_epochs=epochs, num_minibatches=1,
                         critic="separate")
     optim = common.OptimConfig(lr=LR, schedule="linear", total_steps=(warmup + repeats) * epochs, max_grad_norm=1.0)
     tx, sched = common.make_optimizer(optim)

@@ -43,7 +43,7 @@ def get_config(arg=None):
     c.reward_model = base.pairs_phase("reward_model", steps=1000, batch_size=64, pairs="policy", samples_per_prompt=8,
                                       sft_steps=2400, optim=dict(lr=1e-4, schedule="cosine", warmup_steps=20))
     c.ppo = base.ppo(steps=100, prompts_per_step=64, sampling=dict(max_new_tokens=4),
-                     kl_coef=0.5, num_ppo_epochs=2, optim=dict(lr=1e-5), critic_optim=dict(lr=1e-3))
+                     beta=0.5, num_ppo_epochs=2, optim=dict(lr=1e-5), critic_optim=dict(lr=1e-3))
     # The guard against reward over-optimisation: PPO ends with the policy of its best
     # held-out evaluation, the SFT starting point included (docs/training.md).
     c.train = base.train(log_every=5, eval_every=20, checkpoint_every=50, stop_metric="accuracy", stop_patience=5,
@@ -56,7 +56,7 @@ def get_config(arg=None):
         c.reward_model.update(steps=3, batch_size=16, pairs="task", samples_per_prompt=0, sft_steps=0)
         c.ppo.update(steps=3, prompts_per_step=8)
         c.train.update(log_every=1, eval_every=2, checkpoint_every=2, progress=False, tensorboard=False,
-                       stop_metric="", stop_patience=0, keep_best=False)  # the guard off: tests set it themselves
+                       stop_metric=None, stop_patience=0, keep_best=False)  # the guard off: tests set it themselves
     elif arg:
         raise ValueError(f"unknown variant {arg!r}; expected 'tiny' or none")
     c.lock()

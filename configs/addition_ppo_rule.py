@@ -35,7 +35,7 @@ def get_config(arg=None):
     c.model = base.model()
     c.sft = base.addition_warm_start()
     c.ppo = base.ppo(steps=150, prompts_per_step=128, sampling=dict(max_new_tokens=4), reward="task",
-                     kl_coef=0.05, num_ppo_epochs=2, optim=dict(lr=3e-4, schedule="cosine", warmup_steps=10),
+                     beta=0.05, num_ppo_epochs=2, optim=dict(lr=3e-4, schedule="cosine", warmup_steps=10),
                      critic_optim=dict(lr=1e-3))
     c.train = base.train(log_every=5, eval_every=25, checkpoint_every=50)
     if arg == "tiny":

@@ -33,7 +33,7 @@ def get_config(arg=None):
     c.sft = base.sft(steps=500, batch_size=16, optim=dict(lr=1e-5, schedule="cosine", warmup_steps=20))
     c.reward_model = base.pairs_phase("reward_model", steps=500, batch_size=16,
                                       optim=dict(lr=1e-5, schedule="cosine", warmup_steps=20))
-    c.ppo = base.ppo(steps=300, prompts_per_step=32, sampling=dict(max_new_tokens=256), kl_coef=0.05,
+    c.ppo = base.ppo(steps=300, prompts_per_step=32, sampling=dict(max_new_tokens=256), beta=0.05,
                      num_ppo_epochs=2, num_minibatches=4, missing_eos_penalty=1.0,
                      optim=dict(lr=1e-6, schedule="cosine", warmup_steps=10), critic_optim=dict(lr=1e-5))
     c.train = base.train(log_every=1, eval_every=50, checkpoint_every=50, eval_batch_size=64)

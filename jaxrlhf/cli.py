@@ -206,14 +206,37 @@ def _flag_error(error: flags.Error) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+_NONE_ARG = re.compile(r"^--?config\.([^=\s]+)=None$")
+
+
+def _set_none(keys: list[str]) -> None:
+    """`--config.<key>=None`: the option turned off (None, the one "off" value), set after
+    absl parsed the others (ml_collections would read "None" as the field's type)."""
+    if not keys:
+        return
+    config = flags.FLAGS["config"].value
+    for key in keys:
+        if msg := unknown_key(config, key):
+            fail(msg, where="")
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[last] = None
+
+
 def parse_flags(argv: list) -> list:
     """absl's flag parsing with one-line errors (`app.run(main, flags_parser=parse_flags)`):
-    an unknown `--config.<key>`, a bad flag value, a config file that is missing or raises."""
+    an unknown `--config.<key>`, a bad flag value, a config file that is missing or raises.
+    `--config.<key>=None` turns an option off (`_set_none`)."""
     value = _config_arg(argv)
     if value and not os.path.isfile(value.split(":", 1)[0]):
         fail(f"--config={value}: no such file {value.split(':', 1)[0]!r}", where="")
+    nones = [m.group(1) for arg in argv if (m := _NONE_ARG.match(arg))]
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS([arg for arg in argv if not _NONE_ARG.match(arg)])
+        _set_none(nones)
+        return rest
     except flags.Error as e:
         if _show_traceback():
             traceback.print_exc()

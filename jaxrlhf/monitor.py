@@ -46,6 +46,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxrlhf.options import check, option
+
 logger = logging.getLogger("jaxrlhf.monitor")
 
 
@@ -64,52 +66,39 @@ class NonFiniteError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class MonitorConfig:
-    """Thresholds of the health checks. Defaults and what they mean:
+    """Thresholds of the health checks, each field's doc and bounds on the field; the
+    metric names each check reads (`*_key`, and `clip`) are the algorithm's
+    (`for_algorithm`), not options."""
 
-    kl_target: the target KL (same units as `kl_key`), None = no KL check. kl_factor:
-      warn when KL > kl_factor × kl_target (default 3: "far past" the target).
-    kl_key: the KL metric (PPO: "kl_seq", nats per response, what the controller targets).
-    clipfrac_max: 0.3 — PPO clip fractions of 0.1–0.2 are usual, above 0.3 for long is not.
-    clipfrac_patience: 5 consecutive steps (repeats every 5 more while it persists).
-    clip: the PPO clip ε, to scale the first-minibatch ratio bound.
-    first_ratio_factor: 10 — the first-minibatch ratio must stay in
-      [1/(1 + 10ε), 1 + 10ε] (= [1/3, 3] for ε = 0.2); in a healthy run it is 1 ± 1e-6.
-    first_approx_kl_max: 1e-3 nats per token at the first minibatch.
-    sampler_logp_diff_max: 1.0 nat, max |sampler logp − trainer logp| over tokens.
-    value_loss_factor: 10 × the running median over the last `value_loss_window` (20)
-      steps, once `value_loss_min_history` (5) steps are known.
-    length_window: 10 steps; the first and last thirds are compared. length_growth: 0.5
-      (mean length up by 50 %); reward_rise: the score must rise by more than this
-      (absolute) too (default 0: any rise).
-    score_key, length_key: metric names for the length-hacking check.
-    clipfrac_key, first_ratio_max_key, first_ratio_min_key, first_approx_kl_key,
-      sampler_logp_key, value_loss_key: the names of the other checked metrics (PPO's by
-      default; `for_algorithm` sets another algorithm's).
-    """
-
-    kl_target: float | None = None
-    kl_factor: float = 3.0
-    kl_key: str = "kl_seq"
-    clipfrac_max: float = 0.3
-    clipfrac_patience: int = 5
-    clip: float = 0.2
-    first_ratio_factor: float = 10.0
-    first_approx_kl_max: float = 1e-3
-    sampler_logp_diff_max: float = 1.0
-    value_loss_factor: float = 10.0
-    value_loss_window: int = 20
-    value_loss_min_history: int = 5
-    length_window: int = 10
-    length_growth: float = 0.5
-    reward_rise: float = 0.0
-    score_key: str = "score_mean"
-    length_key: str = "response_length_mean"
-    clipfrac_key: str = "clipfrac"
-    first_ratio_max_key: str = "first_ratio_max"
-    first_ratio_min_key: str = "first_ratio_min"
-    first_approx_kl_key: str = "first_approx_kl"
-    sampler_logp_key: str = "sampler_logp_diff_max"
-    value_loss_key: str = "value_loss"
+    kl_target: float | None = option(None, "warn when the KL to the reference passes kl_factor × this (GRPO: the "
+                                     "per-token mean, nats; PPO: nats per response, and PPO's ppo.kl_target when "
+                                     "None); None: no KL check. For GRPO with β = 0 a target keeps the reference "
+                                     "model to measure the KL (grpo.track_kl)", above=0)
+    kl_factor: float = option(3.0, "how far past kl_target the KL may go before a warning", above=0)
+    kl_key: str = option("kl_seq", "the KL metric (PPO: nats per response, what the controller targets)", cli=False)
+    clipfrac_max: float = option(0.3, "warn when the clip fraction stays above this (0.1–0.2 is usual)", min=0)
+    clipfrac_patience: int = option(5, "for this many steps in a row (repeated every as many more)", min=1)
+    clip: float = option(0.2, "the clip ε, scaling the first-minibatch ratio bound", above=0, cli=False)
+    first_ratio_factor: float = option(10.0, "the first minibatch's ratio must stay in [1/(1 + f·ε), 1 + f·ε] (1 ± "
+                                       "1e-6 in a healthy run: the policy has not moved yet)", above=0)
+    first_approx_kl_max: float = option(1e-3, "nats per token of approx_kl at the first minibatch", min=0)
+    sampler_logp_diff_max: float = option(1.0, "nats, max |sampler logp − trainer logp| over tokens", min=0)
+    value_loss_factor: float = option(10.0, "warn when the value loss passes this × its running median", above=0)
+    value_loss_window: int = option(20, "steps of that running median", min=1)
+    value_loss_min_history: int = option(5, "steps known before the value-loss check starts", min=1)
+    length_window: int = option(10, "steps over which the length-hacking check compares its first and last thirds",
+                                min=3)
+    length_growth: float = option(0.5, "warn when over the window the mean response length grew by more than this "
+                                  "fraction while the reward rose", min=0)
+    reward_rise: float = option(0.0, "the score must rise by more than this (absolute) too (0: any rise)", min=0)
+    score_key: str = option("score_mean", "the score metric of the length-hacking check", cli=False)
+    length_key: str = option("response_length_mean", "the length metric of the length-hacking check", cli=False)
+    clipfrac_key: str = option("clipfrac", "the clip-fraction metric", cli=False)
+    first_ratio_max_key: str = option("first_ratio_max", "the first minibatch's largest ratio", cli=False)
+    first_ratio_min_key: str = option("first_ratio_min", "the first minibatch's smallest ratio", cli=False)
+    first_approx_kl_key: str = option("first_approx_kl", "the first minibatch's approx_kl", cli=False)
+    sampler_logp_key: str = option("sampler_logp_diff_max", "the sampler/trainer log-prob gap", cli=False)
+    value_loss_key: str = option("value_loss", "the value loss", cli=False)
 
     @classmethod
     def for_algorithm(cls, name: str, **thresholds) -> "MonitorConfig":
@@ -119,16 +108,7 @@ class MonitorConfig:
         return cls(**{**METRIC_KEYS[name], **thresholds})
 
     def __post_init__(self):
-        if self.kl_target is not None and not self.kl_target > 0:
-            raise ValueError(f"MonitorConfig: kl_target must be > 0 or None, got {self.kl_target}")
-        for name in ("kl_factor", "clip", "first_ratio_factor", "value_loss_factor"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"MonitorConfig: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("clipfrac_patience", "value_loss_window", "value_loss_min_history"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"MonitorConfig: {name} must be >= 1, got {getattr(self, name)}")
-        if self.length_window < 3:
-            raise ValueError(f"MonitorConfig: length_window must be >= 3, got {self.length_window}")
+        check(self)
 
 
 # The metric each check reads, by algorithm: PPO's KL is nats per response (what its

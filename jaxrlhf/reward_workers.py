@@ -251,7 +251,7 @@ class Clocked:
             raise RewardTimeout(f"reward function {self.import_path} did not return within {self.timeout:g} s "
                                 f"(reward.timeout={self.timeout:g}) on {n} completions; its worker was stopped. "
                                 "Raise reward.timeout, set reward.on_timeout=zero to score such a batch 0, or "
-                                "reward.timeout=0 for no limit")
+                                "reward.timeout=None for no limit")
         self.timed_out = True
         self.timeouts += 1
         log.warning("reward function %s did not return within %g s (reward.timeout) on %d completions: scored 0 "

@@ -40,7 +40,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
                                                 "(default: a new temporary directory).")
 _RESUME_WITH_CHANGES = flags.DEFINE_bool(
     "resume_with_changes", False, "Resume a workdir whose config changed only in keys that are safe to change "
-    "(jaxrlhf.runs.workdir.SAFE_TO_CHANGE: logging, evaluation, checkpointing, the mesh, a phase's steps); "
+    "(options marked resume-safe in docs/options.md: logging, evaluation, checkpointing, the mesh, a phase's steps); "
     "other changes are refused whatever this says.")
 
 

@@ -160,7 +160,7 @@ def test_a_score_past_the_bound_is_an_error_naming_the_function_and_the_row():
             _inputs(["1"], ["2"]), {})
 
 
-def test_the_config_puts_functions_in_workers_unless_timeout_is_0(module):
+def test_the_config_puts_functions_in_workers_unless_timeout_is_none(module):
     from jaxrlhf.runs import config_base, tasks
 
     def fns(**kw):
@@ -169,9 +169,9 @@ def test_the_config_puts_functions_in_workers_unless_timeout_is_0(module):
     clocked, = fns()
     assert isinstance(clocked, reward_workers.Clocked) and (clocked.timeout, clocked.on_timeout) == (300, "error")
     assert clocked.pid is None  # started at its first call
-    plain, = fns(timeout=0)
+    plain, = fns(timeout=None)
     assert not isinstance(plain, reward_workers.Clocked) and plain.__name__ == "bye"
-    with pytest.raises(ValueError, match=r"reward.timeout=-1: expected seconds > 0, or 0 for no limit"):
+    with pytest.raises(ValueError, match=r"reward.timeout=-1: expected seconds > 0, or None for no limit"):
         fns(timeout=-1)
     with pytest.raises(ValueError, match=r"reward.on_timeout='skip'"):
         fns(on_timeout="skip")

@@ -46,7 +46,7 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
                                  "did you mean --config.grpo.optim.lr?"),
     (["--config.grpo.steps=-3"], "error: grpo.steps=-3 is impossible: it must be >= 1 "
                                  "(set JAXRLHF_TRACEBACK=1 for the full traceback)"),
-    (["--config.sft.steps=-1"], "error: sft.steps=-1 is impossible: it must be >= 0 (0 skips the SFT warm start) "
+    (["--config.sft.steps=-1"], "error: sft.steps=-1 is impossible: it must be >= 0 "
                                 "(set JAXRLHF_TRACEBACK=1 for the full traceback)"),
 ], ids=["unknown_key", "negative_rl_steps", "negative_sft_steps"])
 def test_refused_before_any_work(tmp_path, args, last):
@@ -84,9 +84,9 @@ def chat_files(tmp_path_factory):
     ("ckpt", "--config.task.stop_strings=[1", "error: task.stop_strings='[1' is not a JSON list"),
     ("ckpt", "--config.task.chat_template_kwargs=[1]", "error: task.chat_template_kwargs='[1]' is not a JSON object"),
     ("ckpt", "--config.task.chat_template_timeout=-1",
-     "error: task.chat_template_timeout=-1.0 is impossible: it must be >= 0 (0 = no time limit)"),
+     "error: task.chat_template_timeout=-1.0 is impossible: it must be > 0 (or None: off)"),
     ("ckpt", "--config.train.max_param_norm_change=-1",
-     "error: train.max_param_norm_change=-1.0 is impossible: it must be >= 0 (0 = no bound)"),
+     "error: train.max_param_norm_change=-1.0 is impossible: it must be > 0 (or None: off)"),
     # transformers refuses to save it at the export, after training: the name is checked with the tokenizer
     ("named", "--config.train.export=True", "error: model.path={}: its tokenizer has a chat template named '../x', "
                                             "which the export would save outside"),

@@ -14,11 +14,14 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import ops
+from jaxrlhf.options import check, option
 from jaxrlhf.models import lora
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.transformer import Transformer, init_cache, lm_head_weight, project_logits
 
 PyTree = Any
+
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 @flax.struct.dataclass
@@ -48,24 +51,37 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with optional warmup + decay schedule and global-norm clipping."""
+    """AdamW with an optional warmup and decay schedule and global-norm clipping."""
 
-    lr: float = 1e-6
-    schedule: str = "constant"  # "constant" | "linear" | "cosine" (decay to end_lr_ratio·lr)
-    warmup_steps: int = 0
-    total_steps: int = 1
-    end_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
+    lr: float = option(1e-5, "peak learning rate", min=0, safe=True)
+    schedule: str = option("constant", "after the warmup: 'constant', or 'linear' / 'cosine' decay to "
+                           "end_lr_ratio × lr over the schedule's span", choices=SCHEDULES)
+    warmup_steps: int = option(0, "linear warmup from 0, in optimizer steps", min=0)
+    decay_steps: int | None = option(None, "the schedule's span in optimizer steps (warmup included); None: the "
+                                     "phase's own length (`total_steps`). A phase may stop part-way through a "
+                                     "longer schedule", min=1)
+    total_steps: int = option(1, "the optimizer steps of the phase (a PPO iteration makes epochs × minibatches "
+                              "of them, a GRPO one μ × minibatches): the span when decay_steps is None",
+                              min=1, cli=False)
+    end_lr_ratio: float = option(0.0, "the decayed rate as a fraction of lr", min=0, max=1)
+    b1: float = option(0.9, "Adam's β1", min=0, below=1)
+    b2: float = option(0.999, "Adam's β2", min=0, below=1)
+    eps: float = option(1e-8, "Adam's ε", above=0)
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", min=0)
+    max_grad_norm: float | None = option(1.0, "clip the gradients' global norm to this; None: no clipping",
+                                         above=0)
+
+    def __post_init__(self):
+        check(self)
+
+    @property
+    def span(self) -> int:
+        """The schedule's length in optimizer steps: `decay_steps`, or `total_steps`."""
+        return self.total_steps if self.decay_steps is None else self.decay_steps
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
-    if cfg.schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"optim.schedule={cfg.schedule!r}; expected 'constant', 'linear' or 'cosine'")
-    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    decay_steps = max(cfg.span - cfg.warmup_steps, 1)
     if cfg.schedule == "constant":
         main = optax.constant_schedule(cfg.lr)
     elif cfg.schedule == "linear":

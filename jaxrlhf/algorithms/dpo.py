@@ -36,6 +36,7 @@ from jaxrlhf import ops
 from jaxrlhf.algorithms import common
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.ops._losses import DPO_LOSS_TYPES
+from jaxrlhf.options import check, option
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
@@ -45,39 +46,21 @@ REF_KEYS = ("ref_chosen_logp", "ref_rejected_logp")
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:
-    """DPO hyperparameters.
+    """DPO and its variants (each field's doc and bounds on the field)."""
 
-    Attributes:
-      beta: β > 0, the strength of the implicit KL constraint to the reference.
-      loss_type: "sigmoid" (DPO), "ipo" or "hinge" (SLiC); see `ops.dpo_loss`.
-      label_smoothing: ls in [0, 0.5), assumed rate of flipped labels (cDPO); sigmoid only.
-      nll_coef: α ≥ 0, weight of the chosen responses' per-token negative log-likelihood
-        added to the loss (RPO, Pang et al. 2024, arXiv:2404.19733; TRL's `rpo_alpha`): it
-        keeps the chosen answers likely while the pairs are ranked (see `loss_fn`).
-      num_microbatches: gradient accumulation steps per batch; must divide B. The loss is a
-        mean over pairs, and accumulation reproduces the full-batch mean exactly.
-    """
-
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-    nll_coef: float = 0.0
-    num_microbatches: int = 1
+    beta: float = option(0.1, "β, the strength of the implicit KL constraint to the reference", above=0)
+    loss_type: str = option("sigmoid", "'sigmoid' (DPO), 'ipo' or 'hinge' (SLiC); see `ops.dpo_loss`",
+                            choices=DPO_LOSS_TYPES)
+    label_smoothing: float = option(0.0, "the assumed rate of flipped labels (cDPO); sigmoid only", min=0, below=0.5)
+    nll_coef: float = option(0.0, "α, the weight of the chosen responses' per-token NLL added to the loss (RPO, "
+                             "TRL's rpo_alpha): it keeps the chosen answers likely while the pairs are ranked", min=0)
+    num_microbatches: int = option(1, "gradient accumulation steps per batch; must divide the batch (the loss is a "
+                                   "mean over pairs, reproduced exactly)", min=1)
 
     def __post_init__(self):
-        if not self.beta > 0:
-            raise ValueError(f"DPOConfig.beta must be > 0, got {self.beta!r}")
-        if self.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"DPOConfig.loss_type={self.loss_type!r}; expected one of {DPO_LOSS_TYPES}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"DPOConfig.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
+        check(self)
         if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError(f"DPOConfig.label_smoothing applies to loss_type='sigmoid' only, "
-                             f"not {self.loss_type!r}")
-        if not self.nll_coef >= 0:
-            raise ValueError(f"DPOConfig.nll_coef must be >= 0, got {self.nll_coef!r}")
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ValueError(f"DPOConfig.num_microbatches must be an int >= 1, got {self.num_microbatches!r}")
+            raise ValueError(f"DPOConfig: label_smoothing applies to loss_type='sigmoid' only, not {self.loss_type!r}")
 
 
 def check_pairs(batch: Batch, *, with_reference: bool = True, num_microbatches: int = 1) -> None:

@@ -10,12 +10,12 @@ the sampler: docs/concepts.md#the-clipped-losses) and the frozen reference gives
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 
 from jaxrlhf.algorithms.common import response_logprobs
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.options import check, option
 from jaxrlhf.rollout.continuous import sample_continuous
 from jaxrlhf.rollout.sampler import SampleOutput, sample
 
@@ -25,20 +25,24 @@ class SamplingConfig:
     """How responses are drawn; `temperature` also divides the trainer's logits
     (docs/concepts.md#shapes-masks-and-the-one-shift)."""
 
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    eos_id: int | tuple[int, ...] | None = None  # the token(s) that end a response (`sampler.stop_ids`)
-    pad_id: int = 0
-    num_samples: int = 1  # G responses per prompt (GRPO, RLOO)
-    min_new_tokens: int = 0  # EOS cannot be drawn before this many response tokens
-    slots: int = 0  # 0: one static batch of N rows; S > 0: continuous batching, S rows decoded at once
+    max_new_tokens: int = option(8, "response tokens drawn at most", min=1)
+    temperature: float = option(1.0, "τ of the sampler; it also divides the logits of every log-prob", above=0)
+    top_k: int = option(0, "draw from the k most likely tokens only (0: all)", min=0)
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens holding this much probability",
+                          above=0, max=1)
+    eos_id: int | tuple[int, ...] | None = option(None, "the token(s) that end a response (`sampler.stop_ids`)",
+                                                  cli=False)
+    pad_id: int = option(0, "the padding token id", cli=False)
+    num_samples: int = option(1, "G responses per prompt (the group of GRPO and RLOO)", min=1)
+    min_new_tokens: int = option(0, "EOS cannot be drawn before this many response tokens", min=0)
+    slots: int = option(0, "0: one static batch of N rows; S > 0: continuous batching, S rows decoded at once "
+                        "(`rollout.continuous`: the same tokens, faster where lengths spread)", min=0)
 
     def __post_init__(self):
-        if isinstance(self.slots, bool) or not isinstance(self.slots, numbers.Integral) or self.slots < 0:
-            raise ValueError(f"sampling.slots={self.slots!r}: expected an integer >= 0 (0: the static sampler; "
-                             "S > 0: continuous batching with S slots)")
+        check(self, "sampling.")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"sampling.min_new_tokens={self.min_new_tokens} is impossible: it must be <= "
+                             f"sampling.max_new_tokens={self.max_new_tokens}")
 
 
 def sample_responses(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

@@ -9,6 +9,7 @@ import dataclasses
 from jaxrlhf import ops
 from jaxrlhf.algorithms import kl_controller, kl_terms
 from jaxrlhf.algorithms.experience import SamplingConfig
+from jaxrlhf.options import check, option
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 RATIO_LEVELS = ("token", "sequence")
@@ -16,84 +17,59 @@ RATIO_LEVELS = ("token", "sequence")
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-    """Every option of the GRPO family (validated on construction).
+    """Every option of the GRPO family, each field's doc and bounds on the field
+    (`jaxrlhf.options`; validated on construction). The formulas:
+    docs/concepts.md#grpo-and-its-variants-dr-grpo-dapo."""
 
-    Attributes:
-      sampling: how responses are drawn; `sampling.num_samples` is the group size G.
-      advantage: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp" (see the module docstring).
-      adv_eps: ε of "grpo" advantages `(s − mean)/(std + ε)` (TRL uses 1e-4).
-      beta: coefficient of `agg(KL)` in the loss; 0 needs no reference model.
-      track_kl: with β = 0, still keep the reference model and report `kl` (the masked
-        mean of the estimator against it) without putting it in the loss: the health
-        monitor's drift check then works for unregularised runs too (one more forward
-        pass per step).
-      kl_estimator: "k3" (the GRPO choice), or "k1" / "k2"
-        (docs/concepts.md#kl-to-the-reference-in-the-reward-or-in-the-loss).
-      kl_in: "loss" (`β·agg(kl)` in the loss, `kl_terms.loss_term`) or "reward" (each
-        score less `β·Σ_t kl_t` before the advantages, `kl_terms.sequence_reward`).
-      kl_target: None for a fixed β; else the target KL (nats per response, the rollout
-        policy's `Σ_t kl_t` averaged over responses) of the adaptive controller, which then
-        starts at `beta` (`kl_controller`; needs beta > 0). kl_horizon: its horizon in samples.
-      clip_low, clip_high: ε_low, ε_high of the clipped ratio (clip_high None = clip_low;
-        DAPO's clip-higher is clip_high > clip_low).
-      dual_clip: c > 1 bounds the loss of negative-advantage tokens (None: off).
-      agg: loss aggregation, one of `ops.aggregate`'s four modes.
-      norm_len: L of "seq-mean-token-sum-norm"; None means `sampling.max_new_tokens`.
-      entropy_coef: c_ent of the entropy bonus `− c_ent·agg(entropy)`.
-      num_iterations: μ, passes over each rollout batch (μ > 1 reuses the rollout's old
-        log-probs, so the ratio moves away from 1 after the first minibatch).
-      num_minibatches: optimizer steps per pass (shuffled minibatches).
-      num_microbatches: gradient-accumulation chunks per minibatch (same result as one
-        chunk: `common.accumulation_scale` keeps the normalisation).
-      ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
-      dynamic_sampling: zero the advantages of groups whose scores are all equal and, with
-        `prompts_per_step`, keep only groups with signal from an oversampled prompt pool.
-      prompts_per_step: groups in the update batch under dynamic sampling (the iteration is
-        then given a pool of at least this many prompts); None keeps every prompt.
-      overlong_max_len, overlong_cache: DAPO's soft overlong penalty in tokens
-        (`overlong_penalty`); None turns it off.
-      overlong_coef: weight of that penalty, added to the score before advantages.
-      share_prompt: run each group's prompt once in the scoring and training forward
-        passes, its G responses on the prompt's keys and values (`common.response_hidden`
-        with `group_size=G`): the same numbers up to float rounding, `(P + T)·G → P + T·G`
-        tokens through the layers. Used wherever rows stay in whole groups: always for the
-        rollout's scoring, and in the update when `num_minibatches == 1` (a shuffled
-        minibatch mixes groups) and G divides each micro-batch.
-      guide_coef: c > 0 adds `c·` the token-mean NLL of the prompt's reference completion
-        for every prompt whose group's best score is below `guide_below` (`algorithms.guide`:
-        supervised guidance on the prompts RL gets no signal from, as in ReLIFT / SRFT); the
-        iteration's extras must then hold `guide.GUIDE_KEYS`. 0: off (no reference needed).
-      guide_below: the threshold on a group's best score (the reward's total, before any
-        shaping) under which its prompt counts as failed.
-    """
-
-    sampling: SamplingConfig
-    advantage: str = "grpo"
-    adv_eps: float = 1e-6
-    beta: float = 0.0
-    track_kl: bool = False
-    kl_estimator: str = "k3"
-    kl_in: str = "loss"
-    kl_target: float | None = None
-    kl_horizon: int = 10_000
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    agg: str = "token-mean"
-    norm_len: int | None = None
-    entropy_coef: float = 0.0
-    num_iterations: int = 1
-    num_minibatches: int = 1
-    num_microbatches: int = 1
-    ratio_level: str = "token"
-    dynamic_sampling: bool = False
-    prompts_per_step: int | None = None
-    overlong_max_len: int | None = None
-    overlong_cache: int = 0
-    overlong_coef: float = 1.0
-    share_prompt: bool = True
-    guide_coef: float = 0.0
-    guide_below: float = 1.0
+    sampling: SamplingConfig = option(doc="how responses are drawn; `sampling.num_samples` is the group size G",
+                                      factory=lambda: SamplingConfig(num_samples=8))
+    advantage: str = option("grpo", "'grpo' (group z-score), 'dr_grpo' (no std division), 'rloo' (leave-one-out) "
+                            "or 'reinforce_pp' (global whitening)", choices=ADVANTAGES)
+    adv_eps: float = option(1e-6, "ε of 'grpo' advantages (s − mean)/(std + ε) (TRL uses 1e-4)", min=0)
+    beta: float = option(0.0, "β, the weight of the KL to the reference; 0 needs no reference model", min=0)
+    track_kl: bool = option(False, "with β = 0, still keep the reference model and report `kl` without putting it "
+                            "in the loss (one more forward pass per step): the health monitor's drift check then "
+                            "works for unregularised runs too; on whenever train.monitor.kl_target is set")
+    kl_estimator: str = option("k3", "the per-token KL estimator: 'k3' (the GRPO choice), 'k1' or 'k2'",
+                               choices=ops.KL_ESTIMATORS)
+    kl_in: str = option("loss", "'loss' (β·agg(kl) in the loss) or 'reward' (each score less β·Σ_t kl_t before "
+                        "the advantages)", choices=kl_terms.KL_PLACEMENTS)
+    kl_target: float | None = option(None, "None: a fixed β; else the target KL (nats per response) of the adaptive "
+                                     "controller, which starts at beta (needs beta > 0)", above=0)
+    kl_horizon: int = option(10_000, "the adaptive KL controller's horizon in samples", min=1)
+    clip_low: float = option(0.2, "ε_low of the clipped ratio", above=0)
+    clip_high: float | None = option(None, "ε_high of the clipped ratio (DAPO's clip-higher: > clip_low); None: "
+                                     "clip_low", above=0)
+    dual_clip: float | None = option(None, "c > 1 bounds the loss of negative-advantage tokens; None: off", above=1)
+    agg: str = option("token-mean", "how per-token losses become one number (`ops.aggregate`)",
+                      choices=ops.AGGREGATE_MODES)
+    norm_len: int | None = option(None, "L of agg='seq-mean-token-sum-norm'; None: sampling.max_new_tokens",
+                                  min=1)
+    entropy_coef: float = option(0.0, "c_ent of the entropy bonus − c_ent·agg(entropy)", min=0)
+    num_iterations: int = option(1, "μ, passes over each rollout batch (μ > 1 reuses the rollout's old "
+                                 "log-probs, so the ratio moves away from 1 after the first minibatch)", min=1)
+    num_minibatches: int = option(1, "optimizer steps per pass (shuffled minibatches)", min=1)
+    num_microbatches: int = option(1, "gradient-accumulation chunks per minibatch (the same result as one)", min=1)
+    ratio_level: str = option("token", "'token' (PPO/GRPO) or 'sequence' (GSPO)", choices=RATIO_LEVELS)
+    dynamic_sampling: bool = option(False, "zero the advantages of groups whose scores are all equal and keep "
+                                    "`prompts_per_step` groups with signal from an oversampled pool "
+                                    "(grpo.pool_size)")
+    prompts_per_step: int | None = option(None, "groups in the update batch under dynamic sampling (the iteration "
+                                          "is then given a pool of at least this many prompts); None keeps every "
+                                          "prompt", min=1, cli=False)
+    overlong_max_len: int | None = option(None, "DAPO's soft overlong penalty: the length in tokens past which "
+                                          "the penalty is whole (`overlong_penalty`); None: off", min=1)
+    overlong_cache: int = option(0, "the penalty's ramp in tokens, below overlong_max_len", min=0)
+    overlong_coef: float = option(1.0, "the weight of that penalty, added to the score before advantages", min=0)
+    share_prompt: bool = option(True, "run each group's prompt once in the scoring and training forward passes, its "
+                                "G responses on the prompt's keys and values: the same numbers up to float "
+                                "rounding, (P + T)·G → P + T·G tokens; used wherever rows stay in whole groups")
+    guide_coef: float = option(0.0, "c > 0 adds c· the token-mean NLL of the prompt's reference completion for "
+                               "every prompt whose group's best score is below guide_below (`algorithms.guide`: "
+                               "supervised guidance on the prompts RL gets no signal from, as in ReLIFT / SRFT); "
+                               "the task must have reference completions. 0: off", min=0)
+    guide_below: float = option(1.0, "the threshold on a group's best score (the reward's total, before any shaping) "
+                                "under which its prompt counts as failed")
 
     def __post_init__(self):
         def fail(msg):
@@ -101,50 +77,23 @@ class GRPOConfig:
 
         if not isinstance(self.sampling, SamplingConfig):
             fail(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        for name, allowed in (("advantage", ADVANTAGES), ("ratio_level", RATIO_LEVELS),
-                              ("kl_estimator", ops.KL_ESTIMATORS), ("agg", ops.AGGREGATE_MODES),
-                              ("kl_in", kl_terms.KL_PLACEMENTS)):
-            if getattr(self, name) not in allowed:
-                fail(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
+        check(self)
         g = self.sampling.num_samples
         if self.advantage != "reinforce_pp" and g < 2:
             fail(f"advantage {self.advantage!r} compares responses within a group: sampling.num_samples "
                  f"(G) must be >= 2, got {g}")
         if self.dynamic_sampling and g < 2:
             fail(f"dynamic_sampling needs groups: sampling.num_samples must be >= 2, got {g}")
-        if self.sampling.temperature <= 0:
-            fail(f"sampling.temperature must be > 0 for policy-gradient training, got {self.sampling.temperature}")
-        if self.adv_eps < 0:
-            fail(f"adv_eps must be >= 0, got {self.adv_eps}")
-        if self.beta < 0:
-            fail(f"beta must be >= 0, got {self.beta}")
         if self.kl_target is not None and not self.beta > 0:
             fail(f"kl_target={self.kl_target} adapts β from its start: beta must be > 0, got {self.beta}")
         try:
             self.kl_config
         except ValueError as e:
             fail(str(e))
-        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
-            fail(f"clip_low and clip_high must be > 0, got {self.clip_low}, {self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            fail(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.norm_len is not None and self.norm_len <= 0:
-            fail(f"norm_len must be > 0, got {self.norm_len}")
-        for name in ("num_iterations", "num_minibatches", "num_microbatches"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                fail(f"{name} must be an int >= 1, got {v!r}")
-        if self.prompts_per_step is not None:
-            if not self.dynamic_sampling:
-                fail("prompts_per_step selects groups from an oversampled pool: it needs dynamic_sampling=True")
-            if self.prompts_per_step < 1:
-                fail(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if not self.guide_coef >= 0:
-            fail(f"guide_coef must be >= 0 (0 = off), got {self.guide_coef}")
-        if self.overlong_max_len is not None:
-            if not 0 <= self.overlong_cache < self.overlong_max_len:
-                fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), "
-                     f"got {self.overlong_cache}")
+        if self.prompts_per_step is not None and not self.dynamic_sampling:
+            fail("prompts_per_step selects groups from an oversampled pool: it needs dynamic_sampling=True")
+        if self.overlong_max_len is not None and not self.overlong_cache < self.overlong_max_len:
+            fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), got {self.overlong_cache}")
 
     @property
     def uses_reference(self) -> bool:

@@ -16,7 +16,7 @@ One iteration:
             → process_scores: missing-EOS penalty, whitening, clipping
             → compute_advantages: KL (k1/k2/k3) → shape_rewards(β) → GAE(γ, λ) → whiten
             → update: K epochs × M shuffled minibatches (× micro-batches) in one lax.scan,
-              loss = clipped policy loss + vf_coef·clipped value loss − ent_coef·entropy
+              loss = clipped policy loss + vf_coef·clipped value loss − entropy_coef·entropy
             → KL controller step (β for the next iteration)
 
 An iteration is `rollout` (sampling) → `score` (the reward, forward passes, shaping, GAE,

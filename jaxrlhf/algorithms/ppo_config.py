@@ -15,6 +15,7 @@ from jaxrlhf.algorithms import kl_controller, kl_terms
 from jaxrlhf.algorithms.common import TrainState
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.algorithms.scoring import RunningMoments
+from jaxrlhf.options import check, option
 
 PyTree = Any
 
@@ -29,76 +30,50 @@ CRITIC_MODES = ("separate", "shared")
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """Every knob of RLHF-PPO, validated at construction. Defaults follow TRL's PPO where
-    one exists (k1 KL, β 0.05, γ 1, λ 0.95, 4 epochs, clip 0.2, vf_coef 0.1).
+    """Every option of RLHF-PPO, each field's doc and bounds on the field
+    (`jaxrlhf.options`; validated on construction). Defaults follow TRL's PPO where one
+    exists (k1 KL, β 0.05, γ 1, λ 0.95, 4 epochs, clip 0.2, vf_coef 0.1). Scores pass
+    missing-EOS penalty → whitening → clipping in that order (`process_scores`); the
+    formulas: docs/concepts.md#kl-to-the-reference-in-the-reward-or-in-the-loss,
+    #advantages-token-level-or-sequence-level and #the-clipped-losses."""
 
-    Rollout:
-      sampling: how responses are drawn (`max_new_tokens`, temperature τ — which also
-        divides the logits of every log-prob —, top-k/p, `eos_id`, `num_samples`).
-
-    KL to the reference (docs/concepts.md#kl-to-the-reference-in-the-reward-or-in-the-loss):
-      kl_in: "reward" (−β·kl on every token's reward before GAE, `ops.shape_rewards`) or
-        "loss" (β·agg(kl) added to the actor loss, `kl_terms.loss_term`; the rewards are
-        then the score alone).
-      kl_estimator: "k1" | "k2" | "k3", the per-token KL that enters the reward or loss.
-      kl_coef: β (the starting β when adaptive).
-      kl_target: None for a fixed β; else the target KL (nats per response, summed over
-        its tokens with `kl_estimator`) of the adaptive controller (Ziegler et al. 2019).
-      kl_horizon: the controller's horizon in samples.
-
-    Scores (applied in this order, see `process_scores`):
-      missing_eos_penalty: p ≥ 0, or None. For responses that reach `max_new_tokens`
-        without emitting `sampling.eos_id`: with `missing_eos_mode="subtract"` the score
-        becomes `score − p` (TRL's `missing_eos_penalty`); with "replace" it becomes `−p`,
-        whatever the reward model said. Needs `sampling.eos_id`.
-      reward_whitening: None, "batch" ((s − mean)/std over this batch) or "running"
-        ((s − mean)/std with running moments over all batches so far, this one included).
-        Note: TRL's `whiten_rewards` whitens the *shaped per-token* rewards without mean
-        shift; this option normalises the *scores* (OpenRLHF's `normalize_reward`).
-      reward_clip: c > 0 clips scores to [−c, c] (after whitening), or None.
-
-    Advantages (docs/concepts.md#advantages-token-level-or-sequence-level):
-      gamma, lam (GAE); whiten_advantages (`ops.whiten`, with mean).
-
-    Loss (docs/concepts.md#the-clipped-losses):
-      clip: ε (ε_low); clip_high: ε_high (None = ε); dual_clip: c > 1 or None.
-      vf_clip: ε_v of the clipped value loss, None = no clipping. vf_coef: c_v.
-      ent_coef: c_ent ≥ 0 of the entropy bonus.
-      agg: aggregation of every per-token loss ("token-mean", "seq-mean-token-mean",
-        "seq-mean-token-sum", "seq-mean-token-sum-norm" with L = max_new_tokens).
-
-    Update: num_ppo_epochs K, num_minibatches M (N must split into M minibatches), and
-      num_microbatches per minibatch (gradient accumulation; same gradients as 1).
-
-    critic: "separate" (a "score"-head Transformer with its own params and optimizer; may
-      differ in size) or "shared" (the actor has `head="lm_value"`: one param tree, one
-      optimizer, the value loss also trains the trunk).
-    """
-
-    sampling: SamplingConfig
-    kl_estimator: str = "k1"
-    kl_in: str = "reward"
-    kl_coef: float = 0.05
-    kl_target: float | None = None
-    kl_horizon: int = 10_000
-    missing_eos_penalty: float | None = None
-    missing_eos_mode: str = "subtract"
-    reward_whitening: str | None = None
-    reward_clip: float | None = None
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
-    clip: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    vf_clip: float | None = 0.2
-    vf_coef: float = 0.1
-    ent_coef: float = 0.0
-    agg: str = "token-mean"
-    num_ppo_epochs: int = 4
-    num_minibatches: int = 1
-    num_microbatches: int = 1
-    critic: str = "separate"
+    sampling: SamplingConfig = option(doc="how responses are drawn (temperature τ also divides the logits of every "
+                                      "log-prob)", factory=lambda: SamplingConfig(num_samples=1))
+    kl_estimator: str = option("k1", "the per-token KL that enters the reward or the loss",
+                               choices=ops.KL_ESTIMATORS)
+    kl_in: str = option("reward", "'reward' (−β·kl on every token's reward before GAE) or 'loss' (β·agg(kl) in the "
+                        "actor loss; the rewards are then the score alone)", choices=kl_terms.KL_PLACEMENTS)
+    beta: float = option(0.05, "β, the weight of the KL to the reference (the starting β when adaptive)", min=0)
+    kl_target: float | None = option(None, "None: a fixed β; else the target KL (nats per response, summed over its "
+                                     "tokens) of the adaptive controller (Ziegler et al. 2019)", above=0)
+    kl_horizon: int = option(10_000, "the adaptive controller's horizon in samples", min=1)
+    missing_eos_penalty: float | None = option(None, "p for responses that reach max_new_tokens without EOS: the "
+                                               "score becomes score − p ('subtract', TRL's) or −p ('replace'); "
+                                               "None: off", min=0)
+    missing_eos_mode: str = option("subtract", "how missing_eos_penalty applies", choices=MISSING_EOS_MODES)
+    reward_whitening: str | None = option(None, "None, 'batch' ((s − mean)/std over the batch) or 'running' (with "
+                                          "running moments over all batches so far) of the scores (OpenRLHF's "
+                                          "normalize_reward; TRL's whiten_rewards is another thing)",
+                                          choices=REWARD_WHITENING)
+    reward_clip: float | None = option(None, "c clips the scores to [−c, c] after whitening; None: off", above=0)
+    gamma: float = option(1.0, "γ of GAE", min=0, max=1)
+    lam: float = option(0.95, "λ of GAE", min=0, max=1)
+    whiten_advantages: bool = option(True, "whiten the advantages over the batch (`ops.whiten`, with mean)")
+    clip_low: float = option(0.2, "ε_low of the clipped ratio", above=0)
+    clip_high: float | None = option(None, "ε_high of the clipped ratio; None: clip_low", above=0)
+    dual_clip: float | None = option(None, "c > 1 bounds the loss of negative-advantage tokens; None: off", above=1)
+    vf_clip: float | None = option(0.2, "ε_v of the clipped value loss; None: no clipping", above=0)
+    vf_coef: float = option(0.1, "c_v, the value loss's weight", min=0)
+    entropy_coef: float = option(0.0, "c_ent of the entropy bonus − c_ent·agg(entropy)", min=0)
+    agg: str = option("token-mean", "how every per-token loss becomes one number (`ops.aggregate`; "
+                      "'seq-mean-token-sum-norm' with L = max_new_tokens)", choices=ops.AGGREGATE_MODES)
+    num_ppo_epochs: int = option(4, "K passes over each rollout batch", min=1)
+    num_minibatches: int = option(1, "M minibatches per pass (the batch must split into M)", min=1)
+    num_microbatches: int = option(1, "gradient accumulation chunks per minibatch (the same gradients as one)",
+                                   min=1)
+    critic: str = option("separate", "'separate' (a score-head model with its own params and optimizer) or "
+                         "'shared' (the actor's value head: one param tree, the value loss also trains the trunk)",
+                         choices=CRITIC_MODES)
 
     def __post_init__(self):
         def bad(msg):
@@ -106,55 +81,18 @@ class PPOConfig:
 
         if not isinstance(self.sampling, SamplingConfig):
             bad(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
-        if self.kl_estimator not in ops.KL_ESTIMATORS:
-            bad(f"kl_estimator={self.kl_estimator!r}; expected one of {ops.KL_ESTIMATORS}")
-        if self.kl_in not in kl_terms.KL_PLACEMENTS:
-            bad(f"kl_in={self.kl_in!r}; expected one of {kl_terms.KL_PLACEMENTS}")
-        # The controller config validates kl_coef / kl_target / kl_horizon.
+        check(self)
+        # The controller config validates beta / kl_target / kl_horizon together.
         try:
             self.kl_config
         except ValueError as e:
             bad(str(e))
-        if self.missing_eos_penalty is not None:
-            if not self.missing_eos_penalty >= 0:
-                bad(f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
-            if self.sampling.eos_id is None:
-                bad("missing_eos_penalty needs sampling.eos_id (without an EOS token every response "
-                    "would be penalised)")
-        if self.missing_eos_mode not in MISSING_EOS_MODES:
-            bad(f"missing_eos_mode={self.missing_eos_mode!r}; expected one of {MISSING_EOS_MODES}")
-        if self.reward_whitening not in REWARD_WHITENING:
-            bad(f"reward_whitening={self.reward_whitening!r}; expected one of {REWARD_WHITENING}")
-        if self.reward_clip is not None and not self.reward_clip > 0:
-            bad(f"reward_clip must be > 0 or None, got {self.reward_clip}")
-        if not 0.0 <= self.gamma <= 1.0:
-            bad(f"gamma must be in [0, 1], got {self.gamma}")
-        if not 0.0 <= self.lam <= 1.0:
-            bad(f"lam must be in [0, 1], got {self.lam}")
-        if not self.clip > 0:
-            bad(f"clip must be > 0, got {self.clip}")
-        if self.clip_high is not None and not self.clip_high > 0:
-            bad(f"clip_high must be > 0 or None, got {self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            bad(f"dual_clip must be > 1 or None, got {self.dual_clip}")
-        if self.vf_clip is not None and not self.vf_clip > 0:
-            bad(f"vf_clip must be > 0 or None, got {self.vf_clip}")
-        if not self.vf_coef >= 0:
-            bad(f"vf_coef must be >= 0, got {self.vf_coef}")
-        if not self.ent_coef >= 0:
-            bad(f"ent_coef must be >= 0, got {self.ent_coef}")
-        if self.agg not in ops.AGGREGATE_MODES:
-            bad(f"agg={self.agg!r}; expected one of {ops.AGGREGATE_MODES}")
-        for name in ("num_ppo_epochs", "num_minibatches", "num_microbatches"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                bad(f"{name} must be an integer >= 1, got {v!r}")
-        if self.critic not in CRITIC_MODES:
-            bad(f"critic={self.critic!r}; expected one of {CRITIC_MODES}")
+        if self.missing_eos_penalty is not None and self.sampling.eos_id is None:
+            bad("missing_eos_penalty needs sampling.eos_id (without an EOS token every response would be penalised)")
 
     @property
     def kl_config(self) -> kl_controller.KLControllerConfig:
-        return kl_controller.KLControllerConfig(init_beta=self.kl_coef, target=self.kl_target,
+        return kl_controller.KLControllerConfig(init_beta=self.beta, target=self.kl_target,
                                                 horizon=self.kl_horizon)
 
     @property

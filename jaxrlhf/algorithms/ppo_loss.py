@@ -27,7 +27,7 @@ def ppo_loss(
 ) -> tuple[jax.Array, dict]:
     """The PPO objective on one (mini/micro)batch, not yet weighted for accumulation:
 
-        loss = policy_loss(logp, old_logp, A) + vf_coef·value_loss(V, V_old, R) − ent_coef·agg(H)
+        loss = policy_loss(logp, old_logp, A) + vf_coef·value_loss(V, V_old, R) − entropy_coef·agg(H)
                [+ β·agg(kl(logp, ref_logp))   with cfg.kl_in == "loss", `kl_terms.loss_term`]
 
     params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
@@ -47,14 +47,14 @@ def ppo_loss(
     if not cfg.shared:
         _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len,
                                     dropout_rng=critic_dropout_rng)
-    pg, pm = ops.policy_loss(logp, batch.old_logp, batch.advantages, mask, clip_low=cfg.clip,
+    pg, pm = ops.policy_loss(logp, batch.old_logp, batch.advantages, mask, clip_low=cfg.clip_low,
                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     vl, vm = ops.value_loss(values.astype(jnp.float32), batch.old_values, batch.returns, mask,
                             clip=cfg.vf_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     entropy = ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.norm_len)
     loss = pg + cfg.vf_coef * vl
-    if cfg.ent_coef:
-        loss = loss - cfg.ent_coef * entropy
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * entropy
     metrics = dict(loss=loss, policy_loss=pg, value_loss=vl, entropy=entropy, clipfrac=pm["clipfrac"],
                    approx_kl=pm["approx_kl"], ratio_mean=pm["ratio_mean"], ratio_min=pm["ratio_min"],
                    ratio_max=pm["ratio_max"], value_clipfrac=vm["clipfrac"], value_mean=vm["value_mean"])

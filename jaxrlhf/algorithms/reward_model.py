@@ -40,6 +40,7 @@ from jaxrlhf import ops, rewards
 from jaxrlhf.algorithms import common
 from jaxrlhf.algorithms.dpo import PAIR_KEYS, check_pairs, pair_sequences
 from jaxrlhf.models.transformer import Transformer, score_at_last_token
+from jaxrlhf.options import check, option
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
@@ -47,22 +48,15 @@ Batch = Mapping[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class RewardModelConfig:
-    """Bradley–Terry reward-model training.
+    """Bradley–Terry reward-model training (each field's doc and bounds on the field)."""
 
-    Attributes:
-      use_margin: subtract `batch["margin"]` `[B]` inside the sigmoid (Llama-2 style);
-        the batch must then carry it.
-      num_microbatches: gradient accumulation steps per batch; must divide B. The loss is a
-        mean over pairs, and accumulation reproduces the full-batch mean exactly.
-    """
-
-    use_margin: bool = False
-    num_microbatches: int = 1
+    use_margin: bool = option(False, "subtract batch['margin'] [B] inside the sigmoid (Llama-2 style); the batch must "
+                              "then carry it", cli=False)
+    num_microbatches: int = option(1, "gradient accumulation steps per batch; must divide the batch (the loss is a "
+                                   "mean over pairs, reproduced exactly)", min=1)
 
     def __post_init__(self):
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ValueError(f"RewardModelConfig.num_microbatches must be an int >= 1, "
-                             f"got {self.num_microbatches!r}")
+        check(self)
 
 
 def _check_batch(batch: Batch, cfg: RewardModelConfig) -> None:

@@ -32,6 +32,7 @@ import optax
 from jaxrlhf import ops
 from jaxrlhf.algorithms import common
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.options import check, option
 
 PyTree = Any
 Batch = dict[str, jax.Array]
@@ -40,31 +41,19 @@ BATCH_KEYS = ("tokens", "input_mask", "loss_mask")
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Masked cross-entropy on the response tokens.
+    """Masked cross-entropy on the response tokens (each field's doc and bounds on the field)."""
 
-    Attributes:
-      agg: how per-token NLLs become the loss (`ops.aggregate` modes); "token-mean" weighs
-        every response token the same.
-      norm_len: the constant of `agg="seq-mean-token-sum-norm"` (required there only).
-      prompt_len: positions `< prompt_len` never carry loss and get no logits (≥ 1).
-      num_microbatches: gradient accumulation steps per batch; must divide B. Accumulation
-        never changes the loss normalisation (the full-batch loss is reproduced exactly).
-    """
-
-    agg: str = "token-mean"
-    norm_len: int | None = None
-    prompt_len: int = 1
-    num_microbatches: int = 1
+    agg: str = option("token-mean", "how per-token NLLs become the loss (`ops.aggregate`); 'token-mean' weighs every "
+                      "response token the same", choices=ops.AGGREGATE_MODES)
+    norm_len: int | None = option(None, "the constant L of agg='seq-mean-token-sum-norm' (required there only)", min=1)
+    prompt_len: int = option(1, "positions < prompt_len never carry loss and get no logits", min=1, cli=False)
+    num_microbatches: int = option(1, "gradient accumulation steps per batch; must divide the batch. Accumulation "
+                                   "never changes the loss normalisation", min=1)
 
     def __post_init__(self):
-        if self.agg not in ops.AGGREGATE_MODES:
-            raise ValueError(f"SFTConfig.agg={self.agg!r}; expected one of {ops.AGGREGATE_MODES}")
-        if self.agg == "seq-mean-token-sum-norm" and (self.norm_len is None or self.norm_len <= 0):
-            raise ValueError("SFTConfig.agg='seq-mean-token-sum-norm' needs norm_len > 0")
-        if not isinstance(self.prompt_len, int) or self.prompt_len < 1:
-            raise ValueError(f"SFTConfig.prompt_len must be an int >= 1, got {self.prompt_len!r}")
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ValueError(f"SFTConfig.num_microbatches must be an int >= 1, got {self.num_microbatches!r}")
+        check(self)
+        if self.agg == "seq-mean-token-sum-norm" and self.norm_len is None:
+            raise ValueError("SFTConfig: agg='seq-mean-token-sum-norm' needs norm_len (an integer >= 1)")
 
 
 def check_batch(batch: Batch, cfg: SFTConfig) -> None:

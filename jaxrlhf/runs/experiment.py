@@ -201,14 +201,12 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
 
     The run holds the workdir's lock throughout, and a workdir started with another config
     is refused before anything in it is written (`runs.workdir.claim`), unless every change
-    is safe to resume with (`runs.workdir.SAFE_TO_CHANGE`) and `resume_with_changes` is set.
+    is safe to resume with (its option is marked `safe`, `runs.sections`) and `resume_with_changes` is set.
     Every step compiles under `placement.kernels()` (the splash kernel split over the mesh).
     """
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
     sampled = SampledEval.from_config(config.train)  # checked before any work
-    if config.algorithm == "ppo":
-        phases.ppo_reward(config.ppo)
     if python_rewards(config.get("reward")) and config.algorithm == "ppo" and config.ppo.reward == "model":
         raise ValueError("reward.fns: PPO scores with its reward model (ppo.reward='model'); set "
                          "ppo.reward='task' to train on the task's reward and these functions")
@@ -228,6 +226,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
     log.info("%s", placement.describe())
     task = _task(config)  # its options (stop tokens and strings, template variables and names), before any work
+    validation.check_built(config, task)  # every library config the phases build, with the task's tokens
     with claim(workdir, config, resume_with_changes=resume_with_changes), placement.kernels(), \
             reward_workers.closing():  # the reward functions' worker processes stopped, whichever way out
         return _run(config, Path(workdir), task=task, placement=placement, sampled=sampled, stops=stops, start=start,

@@ -84,13 +84,13 @@ class UpdateGuard:
     `start(state)` reads the state a phase starts (or resumes) from; `check(state, step)`
     the state after each update, raising `UnhealthyUpdateError` when a floating leaf is not
     finite or the trained parameters' global norm changed by more than `max_norm_change`
-    times its previous value in one update (0 = no bound). The advice names the phase's
+    times its previous value in one update (None = no bound). The advice names the phase's
     learning rate, `<phase>.optim.lr`: each phase's config section is named after it.
     """
 
-    def __init__(self, phase: str, params_of: Callable[[Any], Any], *, max_norm_change: float = 0.0):
-        if not max_norm_change >= 0:
-            raise ValueError(f"train.max_param_norm_change={max_norm_change}: must be >= 0 (0 = no bound)")
+    def __init__(self, phase: str, params_of: Callable[[Any], Any], *, max_norm_change: float | None = None):
+        if max_norm_change is not None and not max_norm_change > 0:
+            raise ValueError(f"train.max_param_norm_change={max_norm_change}: must be > 0 (None = no bound)")
         self.phase = phase
         self.max_norm_change = max_norm_change
         self._health = make_health_fn(params_of)
@@ -123,11 +123,11 @@ class UpdateGuard:
         if not health.state_finite:
             return "the optimizer state is not finite after the update (the parameters are)", lower
         before, after = self._norm, health.param_norm
-        if self.max_norm_change > 0 and before is not None:
+        if self.max_norm_change is not None and before is not None:
             change = abs(after - before) / max(before, 1e-30)
             if not change <= self.max_norm_change:
                 return (f"the parameters' global norm went from {before:.4g} to {after:.4g} in one update (a "
                         f"relative change of {change:.3g}, above train.max_param_norm_change="
                         f"{self.max_norm_change:g})",
-                        f"{lower}, or raise train.max_param_norm_change (0 turns the check off)")
+                        f"{lower}, or raise train.max_param_norm_change (None turns the check off)")
         return None

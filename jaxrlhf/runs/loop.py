@@ -95,7 +95,7 @@ class PhaseConfig:
     eval_every: int = 0
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
-    max_param_norm_change: float = 0.0  # relative bound per update (`health.UpdateGuard`), 0 = none
+    max_param_norm_change: float | None = None  # relative bound per update (`health.UpdateGuard`), None = none
     progress: bool = True
     show: tuple[str, ...] = ("loss",)  # metric names shown on the progress bar
 

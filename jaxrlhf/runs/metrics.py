@@ -82,7 +82,7 @@ def start_wandb(workdir: str | Path, *, project: str, mode: str = "", config: di
                          "(or set train.wandb=False)") from None
     mode = mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     if mode not in ("online", "offline"):
-        raise ValueError(f"train.wandb_mode={mode!r}; expected 'online', 'offline' or '' (automatic)")
+        raise ValueError(f"train.wandb_mode={mode!r}; expected 'online', 'offline' or None (automatic)")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     return wandb.init(project=project, name=workdir.name, dir=str(workdir), mode=mode, config=config or {})

@@ -29,11 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import options
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import dpo, grpo, ppo, reward_model, scoring, sft, timing
+from jaxrlhf.algorithms import common, dpo, grpo, ppo, reward_model, scoring, sft, timing
+from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.monitor import HealthMonitor, MonitorConfig
+from jaxrlhf.monitor import METRIC_KEYS, HealthMonitor, MonitorConfig
 from jaxrlhf.rollout.sampler import SampleOutput
 from jaxrlhf.algorithms.ppo_rollout import on_actor
 from jaxrlhf.runs import policy_pairs, setup
@@ -64,6 +66,38 @@ def _sharded_step(step_fn, placement: Placement, state_shardings, rows: int):
         return jitted(state, placement.global_batch(local, rows), rng)
 
     return step
+
+
+def optimizer(section, field: str, *, total_steps: int):
+    """`(tx, schedule)` of an optimizer section (`common.OptimConfig`, e.g. `grpo.optim`:
+    `field`) for a phase of `total_steps` optimizer steps (the schedule's span unless its
+    `decay_steps` is set)."""
+    return common.make_optimizer(options.build(common.OptimConfig, section, f"{field}.", total_steps=total_steps))
+
+
+def sampling(cfg, name: str, task: Task) -> SamplingConfig:
+    """The `<name>.sampling` section, with the task's stop and padding tokens."""
+    return options.build(SamplingConfig, cfg.sampling, f"{name}.sampling.", eos_id=task.stop_ids, pad_id=task.pad_id)
+
+
+def library_config(name: str, cfg, task: Task, *, monitor=None):
+    """The algorithm config phase `name` builds from its section `cfg` (`runs.sections`):
+    `SFTConfig`, `RewardModelConfig`, `GRPOConfig`, `PPOConfig` or `DPOConfig`, with the
+    fields the run sets (`cli=False`) from `task` and the `train.monitor` section."""
+    if name == "sft":
+        return options.build(sft.SFTConfig, cfg, "sft.", prompt_len=task.prompt_len)
+    if name == "reward_model":
+        return options.build(reward_model.RewardModelConfig, cfg, "reward_model.")
+    if name == "dpo":
+        return options.build(dpo.DPOConfig, cfg, "dpo.")
+    if name == "ppo":
+        return options.build(ppo.PPOConfig, cfg, "ppo.", sampling=sampling(cfg, "ppo", task))
+    if name == "grpo":
+        # a monitor's KL target needs the KL measured, even with β = 0
+        track = bool(cfg.track_kl or (monitor is not None and monitor.kl_target is not None))
+        return options.build(grpo.GRPOConfig, cfg, "grpo.", sampling=sampling(cfg, "grpo", task), track_kl=track,
+                             prompts_per_step=cfg.prompts_per_step if cfg.dynamic_sampling else None)
+    raise ValueError(f"no phase {name!r}")
 
 
 def _phase(name, cfg, train, **kw) -> PhaseConfig:
@@ -105,13 +139,13 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     if task.sft is None:
         raise ValueError(f"task {task.name!r} has no SFT examples: for files set task.kind='sft' (rows of messages, "
                          "or prompt and completion), or sft.steps=0")
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
+    tx, schedule = optimizer(cfg.optim, "sft.optim", total_steps=cfg.steps)
     arrays = {k: task.sft[k] for k in sft.BATCH_KEYS}
     batches = _batches(arrays, cfg.batch_size, cfg.seed, placement, "sft.batch_size")
     p_sh = placement.param_shardings(model)
     state, state_sh = placement.init_state(lambda p: sft.init_state(p, tx), placement.place(params, p_sh),
                                            params_shardings=p_sh)
-    step = _sharded_step(sft.make_train_step(model, tx, sft.SFTConfig(prompt_len=task.prompt_len)), placement,
+    step = _sharded_step(sft.make_train_step(model, tx, library_config("sft", cfg, task)), placement,
                          state_sh, cfg.batch_size)
     state, last = run_phase(
         _phase(name, cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
@@ -121,33 +155,13 @@ def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     return state.params, last
 
 
-def health_monitor(train, algorithm: str, *, clip: float, kl_target: float | None = None) -> HealthMonitor:
-    """The monitor of an RL phase: `train.monitor`'s thresholds, the algorithm's metric names
-    (`monitor.METRIC_KEYS`); `kl_target` (when > 0) stands in for an unset `kl_target`."""
-    m = train.monitor
-    target = m.kl_target if m.kl_target > 0 else (kl_target or 0.0)
-    return HealthMonitor(MonitorConfig.for_algorithm(
-        algorithm, clip=clip, kl_target=target if target > 0 else None, kl_factor=m.kl_factor,
-        clipfrac_max=m.clipfrac_max, clipfrac_patience=m.clipfrac_patience, length_window=m.length_window,
-        length_growth=m.length_growth))
-
-
-def grpo_config(cfg, task: Task, *, monitor_kl: bool = False) -> grpo.GRPOConfig:
-    """`monitor_kl`: the health monitor has a KL target, so the KL to the reference is
-    measured even with β = 0 (`track_kl`)."""
-    sampling = setup.build_sampling(cfg.sampling, eos_id=task.stop_ids, pad_id=task.pad_id)
-    return grpo.GRPOConfig(
-        sampling=sampling, advantage=cfg.advantage, adv_eps=cfg.adv_eps, beta=cfg.beta,
-        track_kl=bool(cfg.track_kl or monitor_kl), kl_estimator=cfg.kl_estimator, kl_in=cfg.kl_in,
-        kl_target=cfg.kl_target if cfg.kl_target > 0 else None, kl_horizon=cfg.kl_horizon, clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high if cfg.clip_high > 0 else None,
-        dual_clip=cfg.dual_clip if cfg.dual_clip > 0 else None, agg=cfg.agg,
-        norm_len=cfg.norm_len if cfg.norm_len > 0 else None, entropy_coef=cfg.entropy_coef,
-        num_iterations=cfg.num_iterations, num_minibatches=cfg.num_minibatches,
-        num_microbatches=cfg.num_microbatches, ratio_level=cfg.ratio_level, dynamic_sampling=cfg.dynamic_sampling,
-        prompts_per_step=cfg.prompts_per_step if cfg.dynamic_sampling and cfg.prompts_per_step > 0 else None,
-        overlong_max_len=cfg.overlong_max_len if cfg.overlong_max_len > 0 else None,
-        overlong_cache=cfg.overlong_cache, guide_coef=cfg.guide_coef, guide_below=cfg.guide_below)
+def health_monitor(m, algorithm: str, *, clip: float, kl_target: float | None = None) -> HealthMonitor:
+    """The monitor of an RL phase: the thresholds of section `m` (`train.monitor`) with the
+    algorithm's metric names (`monitor.METRIC_KEYS`) and clip ε; `kl_target` stands in for
+    an unset `train.monitor.kl_target` (PPO's adaptive controller's)."""
+    return HealthMonitor(options.build(MonitorConfig, m, "train.monitor.", clip=clip,
+                                       kl_target=kl_target if m.kl_target is None else m.kl_target,
+                                       **METRIC_KEYS[algorithm]))
 
 
 def with_reward_model(reward, rm_model: Transformer, weight: float) -> rewards_lib.Reward:
@@ -172,10 +186,10 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     scoring the responses of its own prompts.
     """
     placement = placement or Placement.local()
-    gcfg = grpo_config(cfg, task, monitor_kl=train.monitor.kl_target > 0)
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps * gcfg.updates_per_iteration)
+    gcfg = library_config("grpo", cfg, task, monitor=train.monitor)
+    tx, schedule = optimizer(cfg.optim, "grpo.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     keys = task.extra_keys + (task.reference_keys(f"grpo.guide_coef={gcfg.guide_coef}") if gcfg.guide_coef else ())
-    dynamic_pool = cfg.dynamic_sampling and cfg.pool_size > 0
+    dynamic_pool = cfg.dynamic_sampling and cfg.pool_size is not None
     pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
     batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
                        "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
@@ -197,7 +211,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
                     keys, pool, gcfg.sampling, task=task, drop_unscored=True,
                     completions=_completions(train, writer, "grpo", lambda s: s.reward_params,
                                              with_advantage=not gcfg.dynamic_sampling))
-    monitor = health_monitor(train, "grpo", clip=gcfg.clip_low)
+    monitor = health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy",
                                           timing.TOKENS_PER_S)),
@@ -379,7 +393,7 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
     pairs, held_out, stats = policy_pairs.phase_pairs(cfg, train, policy_model=policy_model,
                                                       policy_params=policy_params, task=task, rng=rng,
                                                       placement=placement)
-    rcfg = reward_model.RewardModelConfig(num_microbatches=cfg.num_microbatches)
+    rcfg = library_config("reward_model", cfg, task)
     keys = dpo.PAIR_KEYS
     size = cfg.get("ensemble", 1)
     reduce = reward_model.check_reduce(cfg.get("ensemble_reduce", "mean")) if size > 1 else None
@@ -415,7 +429,7 @@ def _reward_model_member(cfg, train, k: int, *, pairs, rcfg, evaluate, policy_mo
     seed = cfg.seed + k
     model, params = reward_model.init_from_policy(policy_model, policy_params, seed=seed)
     params = setup.start_adapters(model, params, fresh=True, seed=seed + 1)
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
+    tx, schedule = optimizer(cfg.optim, "reward_model.optim", total_steps=cfg.steps)
     batches = _batches({key: pairs[key] for key in dpo.PAIR_KEYS}, cfg.batch_size, seed, placement,
                        "reward_model.batch_size")
     p_sh = placement.param_shardings(model)
@@ -443,15 +457,14 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     if task.pairs is None:
         raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0 (addition) or "
                          "task.kind='pairs' (files: prompt, chosen, rejected)")
-    dcfg = dpo.DPOConfig(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
-                         nll_coef=cfg.nll_coef, num_microbatches=cfg.num_microbatches)
+    dcfg = library_config("dpo", cfg, task)
     p_sh = placement.param_shardings(model)
     params = placement.place(params, p_sh)
     reference = lora.without_adapters(params)  # the starting policy (with LoRA: its base, the same arrays)
     train_pairs = _reference_logprobs(model, reference, task.pairs, placement)
     test_pairs = _reference_logprobs(model, reference, task.test_pairs, placement)
     keys = dpo.PAIR_KEYS + dpo.REF_KEYS
-    tx, schedule = setup.build_optimizer(cfg.optim, total_steps=cfg.steps)
+    tx, schedule = optimizer(cfg.optim, "dpo.optim", total_steps=cfg.steps)
     batches = _batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "dpo.batch_size")
     state, state_sh = placement.init_state(lambda p: dpo.init_state(p, tx), params, params_shardings=p_sh)
     step = _sharded_step(dpo.make_train_step(model, tx, dcfg), placement, state_sh, cfg.batch_size)
@@ -467,30 +480,6 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
         state=state, step_fn=_timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
         eval_fn=evaluate, should_stop=should_stop, **_stopping(early_stop))
     return state.params, pair_eval(state.params)
-
-
-PPO_REWARDS = ("model", "task")
-
-
-def ppo_reward(cfg) -> str:
-    """`cfg.reward` of a `ppo` config section, checked: "model" (a reward model trained on
-    the task's preference pairs first) or "task" (the task's own rule-based reward)."""
-    if cfg.reward not in PPO_REWARDS:
-        raise ValueError(f"ppo.reward={cfg.reward!r}; expected one of {PPO_REWARDS} ('model': a reward model "
-                         "learned from the task's preference pairs, 'task': the task's own reward)")
-    return cfg.reward
-
-
-def ppo_config(cfg, task: Task) -> ppo.PPOConfig:
-    sampling = setup.build_sampling(cfg.sampling, eos_id=task.stop_ids, pad_id=task.pad_id)
-    opt = lambda v: v if v > 0 else None
-    return ppo.PPOConfig(
-        sampling=sampling, kl_estimator=cfg.kl_estimator, kl_in=cfg.kl_in, kl_coef=cfg.kl_coef, kl_target=opt(cfg.kl_target),
-        kl_horizon=cfg.kl_horizon, missing_eos_penalty=opt(cfg.missing_eos_penalty),
-        reward_whitening=cfg.reward_whitening or None, reward_clip=opt(cfg.reward_clip), gamma=cfg.gamma,
-        lam=cfg.lam, whiten_advantages=cfg.whiten_advantages, clip=cfg.clip, vf_clip=opt(cfg.vf_clip),
-        vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, agg=cfg.agg, num_ppo_epochs=cfg.num_ppo_epochs,
-        num_minibatches=cfg.num_minibatches, num_microbatches=cfg.num_microbatches, critic=cfg.critic)
 
 
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
@@ -523,9 +512,9 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     (`reward_model.as_ensemble_reward`; their disagreement is `reward/reward_model_std`).
     """
     placement = placement or Placement.local()
-    pcfg = ppo_config(cfg, task)
+    pcfg = library_config("ppo", cfg, task)
     updates = cfg.steps * pcfg.updates_per_iteration  # the schedules count optimizer steps
-    tx_actor, schedule = setup.build_optimizer(cfg.optim, total_steps=updates)
+    tx_actor, schedule = optimizer(cfg.optim, "ppo.optim", total_steps=updates)
     if reward_model_and_params is not None and model_weight is not None:  # a folder's, beside the task's reward
         rm_model, rm_params = reward_model_and_params
         reward, keys = with_reward_model(task.reward, rm_model, model_weight), task.extra_keys
@@ -549,7 +538,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
             model, lora.without_adapters(params), seed=cfg.seed + 1, copy=not adapted)
         if adapted:  # only its adapters and score head: it runs on the actor's base (`ppo.on_actor`)
             critic_params = lora.trainable(lora.add_adapters(critic_model, critic_params, jax.random.key(cfg.seed + 2)))
-        tx_critic, _ = setup.build_optimizer(cfg.critic_optim, total_steps=updates)
+        tx_critic, _ = optimizer(cfg.critic_optim, "ppo.critic_optim", total_steps=updates)
     actor_sh = placement.param_shardings(actor_model)
     roles = {"actor": actor_sh, "ref_params": actor_sh}
     args = [placement.place(params, actor_sh), None, None]
@@ -582,7 +571,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
         step_fn=step,
         batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),
-        rng=rng, writer=writer, monitor=health_monitor(train, "ppo", clip=pcfg.clip, kl_target=pcfg.kl_target),
+        rng=rng, writer=writer, monitor=health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target),
         eval_fn=evaluate,
         should_stop=should_stop, **_stopping(early_stop, "actor"))
     params = state.actor.params
@@ -591,5 +580,5 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     return params, last
 
 
-__all__ = ["dpo_phase", "grpo_config", "grpo_phase", "health_monitor", "ppo_config", "ppo_phase", "ppo_reward", "reward_model_phase", "sft_phase",
-           "with_reward_model"]
+__all__ = ["dpo_phase", "grpo_phase", "health_monitor", "optimizer", "ppo_phase", "reward_model_phase", "sampling",
+           "library_config", "sft_phase", "with_reward_model"]

@@ -1,4 +1,6 @@
-"""Config sections -> the objects a run needs: model, optimizer, sampling settings."""
+"""The `model` section -> the model a run trains: fresh or from a checkpoint, with LoRA
+adapters where its phases train them. (Every other section is built from its dataclass by
+`options.build`.)"""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import logging
 
 import jax
 
-from jaxrlhf.algorithms import common
-from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, count_params, load_pretrained, lora, quant, random_init
 from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.parallel.loading import load_pretrained_sharded
@@ -93,25 +93,3 @@ def start_adapters(model: Transformer, params, *, fresh: bool, seed: int, placem
 def _options(cfg) -> dict:
     """The section's model options (`RUNTIME_FIELDS`: remat, attention, ...) it sets."""
     return {f: cfg[f] for f in RUNTIME_FIELDS if f in cfg}
-
-
-def build_optimizer(cfg, *, total_steps: int):
-    """`config.optim`-like section -> `(tx, schedule)`.
-
-    The schedule spans `cfg.decay_steps` when set (> 0), else the phase's `total_steps`,
-    both counted in optimizer steps (a PPO iteration makes epochs × minibatches of them, a
-    GRPO one μ × minibatches; `warmup_steps` too): a phase may stop part-way through its
-    schedule (the built-in task's SFT warm start does, to leave the policy often wrong for
-    RL to improve).
-    """
-    return common.make_optimizer(common.OptimConfig(
-        lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps,
-        total_steps=cfg.decay_steps if cfg.decay_steps > 0 else total_steps,
-        end_lr_ratio=cfg.end_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else None))
-
-
-def build_sampling(cfg, *, eos_id: int | tuple[int, ...] | None, pad_id: int) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                          top_p=cfg.top_p, eos_id=eos_id, pad_id=pad_id, num_samples=cfg.num_samples,
-                          min_new_tokens=cfg.min_new_tokens, slots=cfg.get("slots", 0))

@@ -157,13 +157,13 @@ def eval_metric_names(config, phase: str, sampled=None) -> set[str]:
 
 def from_config(config, sampled=None) -> dict[str, EarlyStop]:
     """`{phase: EarlyStop}` from `config.train` (`stop_metric`, `stop_mode`, `stop_patience`,
-    `stop_min_delta`, `stop_phases`, `keep_best`); empty when `stop_metric` is "" (off).
+    `stop_min_delta`, `stop_phases`, `keep_best`); empty when `stop_metric` is None (off).
     Checked before any work: a rule needs a periodic evaluation (`eval_every` > 0), phases
     this run has, and a metric each of them reports. Errors name the field."""
     t = config.train
-    metric, phases = t.get("stop_metric", ""), t.get("stop_phases", "")
-    if not metric:
-        for field, off in (("stop_patience", 0), ("keep_best", False), ("stop_phases", "")):
+    metric, phases = t.get("stop_metric"), t.get("stop_phases")
+    if metric is None:
+        for field, off in (("stop_patience", 0), ("keep_best", False), ("stop_phases", None)):
             if t.get(field, off) != off:
                 raise ValueError(f"train.{field}={t.get(field)!r} needs train.stop_metric: the held-out metric to "
                                  "watch, e.g. 'accuracy'")
@@ -171,12 +171,12 @@ def from_config(config, sampled=None) -> dict[str, EarlyStop]:
     if t.eval_every <= 0:
         raise ValueError(f"train.stop_metric={metric!r} needs a periodic held-out evaluation: set "
                          f"train.eval_every > 0 (it is {t.eval_every}), or turn the rule off with "
-                         "train.stop_metric='' train.stop_patience=0 train.keep_best=False")
+                         "train.stop_metric=None train.stop_patience=0 train.keep_best=False")
     if metric.startswith("eval/"):
         raise ValueError(f"train.stop_metric={metric!r}: name the metric without the 'eval/' prefix, "
                          f"e.g. {metric[5:]!r}")
     available = run_phases(config)
-    names = tuple(x for x in phases.replace(" ", "").split(",") if x) or (config.algorithm,)
+    names = tuple(x for x in (phases or "").replace(" ", "").split(",") if x) or (config.algorithm,)
     for name in names:
         if name not in available:
             raise ValueError(f"train.stop_phases={phases!r}: {name!r} is not a phase of this run; its phases "

@@ -281,8 +281,8 @@ def _file_parser(cfg, tok, kind: str):
 
 
 def _bounds(cfg) -> dict:
-    """`task.max_row_bytes` / `task.max_file_bytes` as the readers' limits (0: none)."""
-    return dict(max_row_bytes=cfg.max_row_bytes or None, max_file_bytes=cfg.max_file_bytes or None)
+    """`task.max_row_bytes` / `task.max_file_bytes` as the readers' limits (None: none)."""
+    return dict(max_row_bytes=cfg.max_row_bytes, max_file_bytes=cfg.max_file_bytes)
 
 
 def _as_prompts(rows) -> data.PromptData:
@@ -393,9 +393,9 @@ def python_rewards(cfg) -> list[tuple[float, str, Callable]]:
     (None: no section, no rewards): `fns` import paths "pkg.module:function",
     comma-separated, `weights` as many floats ("" = 1.0 each). Imported here, so that a
     path that does not import stops the run before any work (`rewards.import_reward_fn`).
-    With `timeout` > 0 seconds the function is a `reward_workers.Clocked`: it runs in a
-    worker process of its own, stopped past the timeout (`on_timeout`); 0 or None: in
-    this process, no limit. A component is
+    With a `timeout` (seconds) the function is a `reward_workers.Clocked`: it runs in a
+    worker process of its own, stopped past the timeout (`on_timeout`); None: in this
+    process, no limit. A component is
     named by its function, or by its whole path when two functions share a name."""
     specs = [s.strip() for s in (cfg.fns if cfg is not None else "").split(",") if s.strip()]
     if not specs:
@@ -411,9 +411,9 @@ def python_rewards(cfg) -> list[tuple[float, str, Callable]]:
     names = [s.partition(":")[2] for s in specs]
     fns = [rewards.import_reward_fn(s) for s in specs]
     timeout = cfg.get("timeout")
-    if timeout is not None and timeout < 0:
-        raise ValueError(f"reward.timeout={timeout!r}: expected seconds > 0, or 0 for no limit")
-    if timeout:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"reward.timeout={timeout!r}: expected seconds > 0, or None for no limit")
+    if timeout is not None:
         fns = [reward_workers.Clocked(s, timeout=timeout, on_timeout=cfg.get("on_timeout", "error")) for s in specs]
     return [(w, s if names.count(n) > 1 else n, fn) for w, s, n, fn in zip(weights, specs, names, fns)]
 
@@ -427,9 +427,9 @@ def with_python_rewards(task: Task, cfg) -> Task:
     if not fns and (cfg is None or cfg.task_weight == 1.0):
         return task
     parts = [(float(cfg.task_weight), task.reward)]
-    bound = cfg.get("max_abs_score") or None  # 0: no bound
+    bound = cfg.get("max_abs_score")  # None: no bound
     if bound is not None and not bound > 0:
-        raise ValueError(f"reward.max_abs_score={bound!r}: expected a bound > 0 on |score|, or 0 for none")
+        raise ValueError(f"reward.max_abs_score={bound!r}: expected a bound > 0 on |score|, or None for none")
     parts += [(w, rewards.trl_reward(fn, task.tokenizer, name=name, eos_id=task.stop_ids, max_abs_score=bound))
               for w, name, fn in fns]
     return dataclasses.replace(task, reward=rewards.combine(parts))

@@ -10,9 +10,8 @@ negative `steps` ran nothing and reported success).
 Checked for every phase the run will execute (`stopping.run_phases`):
 - the reward model's `pairs` and, for on-policy pairs, their sampling fields
   (`runs.policy_pairs.PolicyPairsConfig`), and its `ensemble_reduce`;
-- counts that must be positive (`steps` of the run's own phases, batch sizes,
-  `sampling.num_samples`, minibatches, microbatches, ...) or non-negative (`sft.steps`,
-  `train.eval_every`, `train.max_param_norm_change`, `task.chat_template_timeout`, ...);
+- every option's type and bounds, as its dataclass field declares them (`runs.sections`,
+  `jaxrlhf.options`: `grpo.num_minibatches=0 is impossible: it must be >= 1`);
 - the global batch rows each phase hands to the mesh (`sft.batch_size`,
   `grpo.prompts_per_step` or `grpo.pool_size`, `ppo.prompts_per_step`, `dpo.batch_size`,
   `reward_model.batch_size`) against the mesh's row shards (`Placement.check_rows`);
@@ -21,14 +20,21 @@ Checked for every phase the run will execute (`stopping.run_phases`):
   batch_size).
 The held-out evaluation pads its batches to the mesh, so `train.eval_batch_size` only has
 to be positive.
+
+`check_built(config, task)`, once the task is built (still before the workdir is claimed),
+builds every library config the run's phases will build (`GRPOConfig`, `PPOConfig`, their
+optimizers, the monitor, ...), so that a relation between options only the class checks
+(`grpo.kl_target` needs `grpo.beta` > 0) fails there too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
-from jaxrlhf.algorithms import reward_model
+from jaxrlhf import options
 from jaxrlhf.models import lora, quant
+from jaxrlhf.runs import phases, sections
 from jaxrlhf.runs.policy_pairs import PolicyPairsConfig
 from jaxrlhf.runs.stopping import run_phases
 
@@ -40,75 +46,42 @@ class RowChecker(Protocol):
     def check_rows(self, rows: int, field: str) -> None: ...
 
 
-# field -> smallest allowed value, per section; "steps" of a run's own phases is >= 1 (below).
-_MINIMUM = {
-    "sft": {"steps": 0, "batch_size": 1},
-    "grpo": {"steps": 1, "prompts_per_step": 1, "pool_size": 0, "sampling.num_samples": 1,
-             "sampling.max_new_tokens": 1, "sampling.min_new_tokens": 0, "sampling.slots": 0, "num_iterations": 1,
-             "num_minibatches": 1, "num_microbatches": 1, "guide_coef": 0},
-    "ppo": {"steps": 1, "prompts_per_step": 1, "sampling.num_samples": 1, "sampling.max_new_tokens": 1,
-            "sampling.min_new_tokens": 0, "sampling.slots": 0, "num_ppo_epochs": 1, "num_minibatches": 1,
-            "num_microbatches": 1},
-    "dpo": {"steps": 1, "batch_size": 1, "num_microbatches": 1},
-    "reward_model": {"steps": 1, "batch_size": 1, "num_microbatches": 1, "ensemble": 1, "sft_steps": 0},
-    "train": {"log_every": 1, "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 1, "eval_batch_size": 1,
-              "eval_samples": 0, "eval_slots": 0, "max_param_norm_change": 0},
-    "task": {"chat_template_timeout": 0},  # the fields a task has (a text task's); others are not checked
-}
-_HINTS = {"sft.steps": " (0 skips the SFT warm start)", "train.max_param_norm_change": " (0 = no bound)",
-          "task.chat_template_timeout": " (0 = no time limit)"}
-_OPTIM_MINIMUM = {"lr": 0, "warmup_steps": 0, "decay_steps": 0}
-
-
-def _get(section, dotted: str):
-    for part in dotted.split("."):
-        section = section[part]
-    return section
-
-
-def _check_minimum(key: str, value, minimum) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        hint = _HINTS.get(key, "")
-        raise ValueError(f"{key}={value!r} is impossible: it must be >= {minimum}{hint}")
-
-
 def check_values(config) -> None:
-    """Every count of the phases `config` runs (and of `train`) within its range: a
-    ValueError naming the first key that is not, e.g. `grpo.steps=-3`."""
-    _check_minimum("sft.steps", config.sft.steps, 0)  # also when SFT does not run: -1 is not "skip"
+    """Every option of the sections `config` runs (the phases of `stopping.run_phases`,
+    `train`, `task`, `model`, `reward`, the top level) within its type and bounds, as its
+    dataclass field declares them (`runs.sections`, `options.check_values`): a ValueError
+    naming the first key that is not, e.g. `grpo.steps=-3`. Then the relations between
+    options that no single field states."""
     run = run_phases(config)
+    for name, classes in sections.schema(config).items():
+        if name in sections.PHASE_SECTIONS and name not in run:
+            if name == "sft" and "steps" in config.sft:  # also when SFT does not run: -1 is not "skip"
+                options.check_value(sections.SFTRun, _field(sections.SFTRun, "steps"), config.sft.steps, "sft.steps")
+            continue
+        options.check_values(classes, config[name] if name else config, f"{name}." if name else "")
+    if config.algorithm == "sft" and config.sft.steps < 1:
+        raise ValueError(f"sft.steps={config.sft.steps} is impossible: it must be >= 1 for algorithm='sft'")
     if "reward_model" in run:
         PolicyPairsConfig.from_config(config.reward_model)  # reward_model.pairs and its sampling fields
-        reward_model.check_reduce(config.reward_model.get("ensemble_reduce", "mean"))
     if "grpo" in run:
         _check_pool(config.grpo)
-    for section in (*run, "train", "task"):
-        if section not in config:  # e.g. a test's config without a task
-            continue
-        for field, minimum in _MINIMUM[section].items():
-            if section == "sft" and field == "steps" and config.algorithm == "sft":
-                minimum = 1
-            try:
-                value = _get(config[section], field)
-            except KeyError:  # a config without this field: nothing to check
-                continue
-            _check_minimum(f"{section}.{field}", value, minimum)
-        sampling = config[section].get("sampling") if section not in ("train", "task") else None
-        if sampling is not None and sampling.get("min_new_tokens", 0) > sampling.max_new_tokens:
-            raise ValueError(f"{section}.sampling.min_new_tokens={sampling.min_new_tokens} is impossible: it must be "
-                             f"<= {section}.sampling.max_new_tokens={sampling.max_new_tokens}")
-        for name in ("optim", "critic_optim"):
-            if section not in ("train", "task") and name in config[section]:
-                for field, minimum in _OPTIM_MINIMUM.items():
-                    _check_minimum(f"{section}.{name}.{field}", config[section][name][field], minimum)
+    for name in run:
+        sampling = config[name].get("sampling")
+        if sampling is not None and sampling.min_new_tokens > sampling.max_new_tokens:
+            raise ValueError(f"{name}.sampling.min_new_tokens={sampling.min_new_tokens} is impossible: it must be "
+                             f"<= {name}.sampling.max_new_tokens={sampling.max_new_tokens}")
+
+
+def _field(cls, name: str):
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _check_pool(c) -> None:
     """Dynamic sampling keeps `prompts_per_step` groups out of a pool of `pool_size` prompts
     (0: the pool is the step's own prompts): the pool must hold at least that many."""
-    if c.get("dynamic_sampling") and 0 < c.get("pool_size", 0) < c.prompts_per_step:
+    if c.get("dynamic_sampling") and c.get("pool_size") is not None and c.pool_size < c.prompts_per_step:
         raise ValueError(f"grpo.pool_size={c.pool_size} is impossible with grpo.dynamic_sampling: the pool must hold "
-                         f"at least grpo.prompts_per_step={c.prompts_per_step} prompts (0: no larger pool)")
+                         f"at least grpo.prompts_per_step={c.prompts_per_step} prompts (None: no larger pool)")
 
 
 def _split(rows: int, rows_name: str, parts: dict) -> None:
@@ -131,7 +104,7 @@ def check_shapes(config, placement: RowChecker) -> None:
             if "num_microbatches" in c:
                 _split(c.batch_size, f"{phase}.batch_size", {f"{phase}.num_microbatches": c.num_microbatches})
         elif phase == "grpo":
-            pooled = c.dynamic_sampling and c.pool_size > 0
+            pooled = c.dynamic_sampling and c.pool_size is not None
             placement.check_rows(c.pool_size if pooled else c.prompts_per_step,
                                  "grpo.pool_size" if pooled else "grpo.prompts_per_step")
             _split(c.prompts_per_step * c.sampling.num_samples, "grpo.prompts_per_step × grpo.sampling.num_samples",
@@ -168,6 +141,20 @@ def lora_phases(config) -> tuple[str, ...]:
     return names
 
 
+def check_built(config, task) -> None:
+    """Every library config the phases of `config` build from their sections, built once
+    with `task`'s tokens: a ValueError naming the section and the option."""
+    monitor = config.train.monitor if "train" in config else None
+    for name in run_phases(config):
+        section = config[name]
+        for field in ("optim", "critic_optim"):
+            if field in section:
+                phases.optimizer(section[field], f"{name}.{field}", total_steps=1)
+        phases.library_config(name, section, task, monitor=monitor)
+        if monitor is not None and name in ("grpo", "ppo"):
+            phases.health_monitor(monitor, name, clip=0.2)  # its thresholds (the clip is the phase's)
+
+
 def check_config(config, placement: RowChecker) -> None:
     """`check_values`, `lora_phases` then `check_shapes`: everything about `config` that can
     be known before the task and model are built, checked before any work."""
@@ -176,4 +163,4 @@ def check_config(config, placement: RowChecker) -> None:
     check_shapes(config, placement)
 
 
-__all__ = ["check_config", "check_shapes", "check_values", "lora_phases"]
+__all__ = ["check_built", "check_config", "check_shapes", "check_values", "lora_phases"]

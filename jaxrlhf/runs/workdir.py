@@ -16,7 +16,7 @@ written to the workdir, and held for the whole run:
    `config.json` (the full text): the `identity` — every resolved config key that decides
    what the checkpoints mean (algorithm, the phases that run and their settings, model,
    tokenizer, task and data, seed), with its sha256 `hash` — and the `settings` that may
-   change on resume (`SAFE_TO_CHANGE`, and each phase's `steps`). A later start with another
+   change on resume (options marked `safe`, `runs.sections`, and each phase's `steps`). A later start with another
    config (an override, or a config file that changed on disk: the resolved values count)
    is refused with the changed keys (`grpo.optim.lr: 0.001 -> 0.5`) unless every change is
    safe and the user opted in (`resume_with_changes`, the `--resume_with_changes` flag);
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fnmatch
 import hashlib
 import json
 import logging
@@ -49,33 +48,27 @@ from typing import Iterator, NamedTuple
 import jax
 import numpy as np
 
+from jaxrlhf.runs.sections import PHASE_SECTIONS, is_safe
 from jaxrlhf.runs.stopping import run_phases
 
 log = logging.getLogger("jaxrlhf")
 
 LOCK_FILE = "run.lock"
 RECORD_FILE = "run.json"
-PHASES = ("sft", "reward_model", "grpo", "ppo", "dpo")  # config sections that are phases, in run order
+PHASES = tuple(PHASE_SECTIONS)  # config sections that are phases, in run order
 
-# The one list of config keys that may change when a workdir resumes (with
-# `--resume_with_changes`): they change how a run is watched, evaluated, checkpointed and
-# placed on devices, not what its checkpoints hold. Besides them, a phase's `steps` may grow,
-# or shrink to no fewer than the steps it has run, as long as no later phase has started
-# (`_steps_change`); a phase whose learning-rate schedule spans its steps (`decay_steps=0`)
-# follows the new length from there on. Every other key is unsafe.
-SAFE_TO_CHANGE = (
-    "mesh", "rules",                     # a checkpoint restores into any mesh (runs.sharding)
-    "model.remat", "model.attention",    # how the same layers are computed
-    "train.log_every", "train.progress", "train.tensorboard", "train.show_samples",
-    "train.wandb", "train.wandb_project", "train.wandb_mode", "train.log_completions_every",
-    "train.eval_every", "train.eval_batch_size", "train.eval_samples", "train.eval_k", "train.eval_temperature",
-    "train.eval_slots",
-    "train.checkpoint_every", "train.keep_checkpoints", "train.export", "train.time_split",
-    "train.monitor.*",                   # the health monitor's warning thresholds
-    "train.max_param_norm_change",       # the update-size bound (runs.health)
-    "*.optim.lr", "*.critic_optim.lr",   # resume after a blown-up update at a lower rate
-    "reward.timeout", "reward.on_timeout", "reward.max_abs_score",  # how slow or wild reward functions are met
-)
+# Which keys may change when a workdir resumes (with `--resume_with_changes`) is declared
+# on each option's field (`safe`, `runs.sections`): how a run is watched, evaluated,
+# checkpointed and placed on devices, not what its checkpoints hold. Besides them, a phase's
+# `steps` may grow, or shrink to no fewer than the steps it has run, as long as no later
+# phase has started (`_steps_change`); a phase whose learning-rate schedule spans its steps
+# (`decay_steps=None`) follows the new length from there on. Every other key is unsafe.
+
+RECORD_FORMAT = 2
+# The options renamed since record format 1 (CHANGELOG.md), old -> new. A workdir recorded
+# in format 1 is refused: its keys, and its 0 / "" "off" values (now None), mean another
+# config than the same run's today.
+RENAMED = {"ppo.clip": "ppo.clip_low", "ppo.ent_coef": "ppo.entropy_coef", "ppo.kl_coef": "ppo.beta"}
 
 
 class WorkdirError(ValueError):
@@ -121,11 +114,11 @@ def record_of(config) -> dict:
             settings[key] = value  # kept for a phase that does not run: 0 -> 4 adds it
         elif section in PHASES and section not in phases:
             continue  # a phase that does not run: its settings mean nothing here
-        elif any(fnmatch.fnmatchcase(key, pattern) for pattern in SAFE_TO_CHANGE):
+        elif is_safe(config, key):
             settings[key] = value
         else:
             identity[key] = value
-    return {"format": 1, "hash": _digest(identity), "identity": identity, "settings": settings}
+    return {"format": RECORD_FORMAT, "hash": _digest(identity), "identity": identity, "settings": settings}
 
 
 def phase_progress(workdir: Path, phase: str) -> int:
@@ -204,8 +197,9 @@ def _write_json(path: Path, text: str) -> None:
 def _read_record(path: Path) -> dict:
     try:
         record = json.loads(path.read_text())
-        if record.get("format") != 1 or not {"hash", "identity", "settings"} <= set(record):
-            raise ValueError(f"format {record.get('format')!r}, expected 1 with hash, identity and settings")
+        if record.get("format") not in range(1, RECORD_FORMAT + 1) or not {"hash", "identity", "settings"} <= set(record):
+            raise ValueError(f"format {record.get('format')!r}, expected 1 to {RECORD_FORMAT} with hash, identity and "
+                             "settings")
         return record
     except (OSError, ValueError) as e:
         raise WorkdirError(f"{path} is unreadable ({type(e).__name__}: {e}): restore it, or delete it to let "
@@ -224,6 +218,8 @@ def record_config(workdir: Path, config, *, resume_with_changes: bool = False) -
     history: list = []
     if path.exists():
         old = _read_record(path)
+        if old.get("format", 1) < RECORD_FORMAT and _has_results(workdir):
+            raise WorkdirError(_older_format(workdir, old))
         history = old.get("history", [])
         if old["hash"] == new["hash"] and old["settings"] == new["settings"]:
             return []
@@ -254,6 +250,17 @@ def record_config(workdir: Path, config, *, resume_with_changes: bool = False) -
     _write_json(workdir / "config.json", config.to_json_best_effort(indent=2))
     _write_json(path, json.dumps({**new, **({"history": history} if history else {})}, indent=2))
     return accepted
+
+
+def _older_format(workdir: Path, old: dict) -> str:
+    """Why a workdir recorded before the options' renames cannot resume: the renames among
+    its keys, and the off values that became None."""
+    keys = {**old.get("identity", {}), **old.get("settings", {})}
+    renamed = [f"{k} -> {v}" for k, v in RENAMED.items() if k in keys]
+    which = f" (its options {', '.join(renamed)})" if renamed else ""
+    return (f"workdir {workdir} was started by an earlier jaxrlhf whose options were since renamed{which}, and whose "
+            "0 / '' off values are None now (CHANGELOG.md): its checkpoints cannot be resumed by this version. "
+            "Resume it with the version that started it, or use a new --workdir")
 
 
 def _now() -> str:

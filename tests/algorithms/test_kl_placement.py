@@ -174,7 +174,7 @@ def test_ppo_update_slices_ref_logp_when_there_is_one():
     params = dict(PARAMS, value_head={"kernel": jnp.zeros((CFG.hidden_size, 1))})
     sampling = SamplingConfig(max_new_tokens=T, num_samples=1, temperature=TAU)
     cfg = lambda kl_in: ppo.PPOConfig(sampling=sampling, critic="shared", kl_in=kl_in, kl_estimator="k3",
-                                      kl_coef=0.3, num_ppo_epochs=1, num_minibatches=2)
+                                      beta=0.3, num_ppo_epochs=1, num_minibatches=2)
 
     def update(c, batch):
         state = ppo.init_state(c, model, jax.tree.map(jnp.copy, params), TX)

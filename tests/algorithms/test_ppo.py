@@ -205,7 +205,7 @@ def test_process_scores_eos_penalty_whitening_clipping():
 
 
 def test_loss_and_gradient_equal_hand_composed_ops(params):
-    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, temperature=0.8), ent_coef=0.01, vf_coef=0.1,
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, temperature=0.8), entropy_coef=0.01, vf_coef=0.1,
                         vf_clip=0.2, agg="seq-mean-token-mean")
     seq, attn, mask = _rollout_batch(1)
     rng = np.random.default_rng(2)
@@ -240,7 +240,7 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
     """The scoring phase (forward passes + scores + shaping + GAE + whitening) on a shared
     trunk, with EOS penalty and batch whitening, against ops applied to full forward passes."""
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
-                        kl_coef=0.3, missing_eos_penalty=0.5, reward_whitening="batch", reward_clip=1.5,
+                        beta=0.3, missing_eos_penalty=0.5, reward_whitening="batch", reward_clip=1.5,
                         gamma=0.9, lam=0.8)
     rm_reward = reward_model.as_reward(RM)
     score = functools.partial(ppo.score, actor_model=SHARED, critic_model=None, reward=rm_reward, cfg=cfg)
@@ -327,7 +327,7 @@ def test_non_finite_gradients_skip_the_update(params):
 # Whole iterations: separate critic (learning run) and shared trunk in bf16
 
 
-SEPARATE_CFG = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", kl_coef=0.05,
+SEPARATE_CFG = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", beta=0.05,
                              num_ppo_epochs=2, num_minibatches=2, vf_coef=0.5)
 
 
@@ -378,7 +378,7 @@ class _IdsTokenizer:
 def test_a_host_reward_iteration_equals_the_jax_reward_one(params, separate_run):
     """The synthetic reward computed on the decoded text (rollout, host scoring, update: two
     programs) gives the JAX reward's first iteration of `separate_run`, and says where."""
-    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", kl_coef=0.05,
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), kl_estimator="k1", beta=0.05,
                         num_ppo_epochs=2, num_minibatches=2, vf_coef=0.5)
     tx_a, sched = common.make_optimizer(common.OptimConfig(lr=3e-3))
     tx_c, _ = common.make_optimizer(common.OptimConfig(lr=1e-2))
@@ -449,9 +449,9 @@ def test_shared_trunk_bf16_with_reward_model_and_adaptive_kl(params):
     model = Transformer(cfg_bf16, head="lm_value")
     rm = Transformer(CRITIC_CFG.replace(dtype="bfloat16"), head="score")
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
-                        kl_coef=0.1, kl_target=1e-4, kl_horizon=20, missing_eos_penalty=1.0,
+                        beta=0.1, kl_target=1e-4, kl_horizon=20, missing_eos_penalty=1.0,
                         reward_whitening="running", reward_clip=3.0, num_ppo_epochs=2, num_minibatches=1,
-                        num_microbatches=2, ent_coef=0.01)
+                        num_microbatches=2, entropy_coef=0.01)
     tx = common.make_optimizer(common.OptimConfig(lr=1e-2))[0]
     own = jax.tree.map(jnp.copy, params["shared"])  # may be donated with the state below
     state = ppo.init_state(cfg, model, own, tx, reward=(rm, params["rm"]))
@@ -505,8 +505,8 @@ def test_rows_no_weighted_reward_scores_are_dropped_from_the_update(params, whit
     step on the other rows alone, whatever the dropped rows hold, and `reward/dropped`
     counts them; with nothing dropped the host path equals the JAX reward's."""
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
-                        kl_coef=0.3, kl_target=0.01, missing_eos_penalty=0.5, reward_whitening=whitening,
-                        reward_clip=1.5, gamma=0.9, lam=0.8, ent_coef=0.01, num_ppo_epochs=2)
+                        beta=0.3, kl_target=0.01, missing_eos_penalty=0.5, reward_whitening=whitening,
+                        reward_clip=1.5, gamma=0.9, lam=0.8, entropy_coef=0.01, num_ppo_epochs=2)
     host_reward = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), _IdsTokenizer(), name="host")
     seq, attn, mask = _rollout_batch(3)
     out = SampleOutput(seq[:, :P], attn[:, :P], seq[:, P:], mask, jnp.zeros(mask.shape), seq, attn, mask.sum(1))

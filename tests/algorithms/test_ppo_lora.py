@@ -84,7 +84,7 @@ def test_critic_and_reward_model_start_at_the_base_and_train_only_adapters_and_h
 
 def test_ppo_iteration_with_lora_roles_on_one_base(roles):
     base, actor, rm = roles
-    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), num_ppo_epochs=1, kl_coef=0.05)
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T), num_ppo_epochs=1, beta=0.05)
     tx = optax.adam(1e-2)
     _, critic = reward_model.init_from_policy(ACTOR, base, seed=4, copy=False)
     critic = lora.trainable(lora.add_adapters(SCORE, critic, jax.random.key(5)))

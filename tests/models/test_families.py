@@ -165,7 +165,7 @@ def test_ppo_with_a_gemma_reward_model(hf_store):
     actor, params = load_pretrained(hf_store.get("gemma2")[0], head="lm_value")
     rm = load_pretrained(hf_store.get("gemma3", "score")[0])
     assert rm[0].head == "score"
-    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=4), critic="shared", kl_coef=0.1,
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=4), critic="shared", beta=0.1,
                         num_ppo_epochs=1, num_minibatches=1)
     tx = optax.sgd(0.1)
     state = ppo.init_state(cfg, actor, jax.tree.map(jnp.copy, params), tx, reward=rm)

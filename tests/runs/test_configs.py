@@ -181,7 +181,7 @@ def test_unknown_ppo_reward_is_an_error_before_any_work(tmp_path):
     config = _load(Path(__file__).resolve().parents[2] / "configs" / "addition_ppo_rule.py").get_config("tiny")
     config.unlock()
     config.ppo.reward = "learned"
-    with pytest.raises(ValueError, match=r"ppo.reward='learned'; expected one of \('model', 'task'\)"):
+    with pytest.raises(ValueError, match=r"ppo.reward='learned' is impossible: it must be one of 'model', 'task'"):
         train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 

@@ -105,7 +105,7 @@ def test_responses_end_at_every_stop_token_of_the_checkpoint_and_config(files, t
     task = tasks.build_task(config.task, model_path=str(ckpt))
     want = (2, 9, task.tokenizer.convert_tokens_to_ids("="), 7)
     assert task.stop_ids == want and task.eos_id == 2
-    assert phases.grpo_config(config.grpo, task).sampling.eos_id == want
+    assert phases.library_config("grpo", config.grpo, task).sampling.eos_id == want
     assert all(c.eos_id == want for c in task.reward.components)
     ids = np.asarray([[5, 9, 6], [5, 7, 6], [5, 6, 6]])  # "1<9>2", "1<7>2", "122"
     assert task.answers(ids, np.ones_like(ids, bool)) == ["1", "1", "122"]  # the text before the first stop

@@ -121,7 +121,7 @@ def test_min_delta_and_min_mode():
 
 def test_off_by_default_changes_nothing(tmp_path):
     config = _load("addition_ppo").get_config("tiny")
-    assert stopping.from_config(config) == {}  # stop_metric="" in every config
+    assert stopping.from_config(config) == {}  # stop_metric=None in every config
     state, seen = _run(tmp_path / "off")
     np.testing.assert_array_equal(state.params["w"], seen[12])
     ckpt = Checkpointer(tmp_path / "off" / "phase")

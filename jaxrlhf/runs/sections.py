@@ -1,0 +1,423 @@
+"""The config sections a run is made of, as dataclasses: the schema of every `--config.*`.
+
+A phase's section is its run options (`SFTRun`, `GRPORun`, ...: steps, batch counts, seed,
+optimizer) beside its algorithm's library config (`SFTConfig`, `GRPOConfig`, ...), flat:
+`--config.grpo.steps` and `--config.grpo.clip_low` sit side by side, and the phase builds
+`GRPOConfig` from its section with `options.build` (no translator in between). The other
+sections (`train`, `reward`, `model`, `task`, the top level's `mesh` and `rules`) are
+dataclasses here too. Each field holds its default, bounds, doc and resume safety
+(`jaxrlhf.options.option`); `config_base` makes the sections from them, `validation`
+checks a config against them, `workdir` reads which keys may change on resume, and
+docs/options.md is generated from them (`python -m jaxrlhf.runs.sections > docs/options.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from jaxrlhf import options
+from jaxrlhf.algorithms.common import OptimConfig
+from jaxrlhf.algorithms.dpo import DPOConfig
+from jaxrlhf.algorithms.grpo_config import GRPOConfig
+from jaxrlhf.algorithms.ppo_config import PPOConfig
+from jaxrlhf.algorithms.reward_model import RewardModelConfig
+from jaxrlhf.algorithms.sft import SFTConfig
+from jaxrlhf.monitor import MonitorConfig
+from jaxrlhf.options import option
+
+_frozen = dataclasses.dataclass(frozen=True)
+PPO_REWARDS = ("model", "task")
+PAIR_SOURCES = ("task", "policy", "both")
+ENSEMBLE_REDUCE = ("mean", "min")
+
+
+def _seed():
+    return option(0, "the seed of the phase's batch order (and its fresh heads)")
+
+
+@_frozen
+class SFTRun:
+    steps: int = option(0, "SFT steps: the warm start of an RL run (0 skips it), or the whole of an SFT run (>= 1)",
+                        min=0)
+    batch_size: int = option(64, "examples per step", min=1)
+    seed: int = _seed()
+    optim: OptimConfig = option(doc="the optimizer", factory=lambda: OptimConfig(lr=3e-3, schedule="cosine",
+                                                                                warmup_steps=50))
+
+
+@_frozen
+class GRPORun:
+    steps: int = option(100, "iterations: a rollout of prompts_per_step prompts and its updates each", min=1)
+    prompts_per_step: int = option(16, "prompts per iteration, G responses each (under dynamic sampling: the groups "
+                                   "kept)", min=1)
+    pool_size: int | None = option(None, "with dynamic_sampling: keep prompts_per_step groups with signal out of a "
+                                   "pool of this many prompts; None: the pool is the iteration's own prompts", min=1)
+    seed: int = _seed()
+    optim: OptimConfig = option(doc="the optimizer (its schedule counts optimizer steps: μ × minibatches per "
+                                "iteration)", factory=OptimConfig)
+
+
+@_frozen
+class PPORun:
+    steps: int = option(100, "iterations: a rollout of prompts_per_step prompts and its epochs of updates", min=1)
+    prompts_per_step: int = option(32, "prompts per iteration", min=1)
+    seed: int = _seed()
+    reward: str = option("model", "'model' (a reward model trained on the task's pairs first: the reward_model "
+                         "section) or 'task' (the task's rule-based reward and reward.fns; no reward model)",
+                         choices=PPO_REWARDS)
+    optim: OptimConfig = option(doc="the actor's optimizer (epochs × minibatches steps per iteration)",
+                                factory=OptimConfig)
+    critic_optim: OptimConfig = option(doc="the separate critic's optimizer", factory=OptimConfig)
+
+
+@_frozen
+class DPORun:
+    steps: int = option(100, "steps of one batch of pairs each", min=1)
+    batch_size: int = option(32, "preference pairs per step", min=1)
+    seed: int = _seed()
+    optim: OptimConfig = option(doc="the optimizer", factory=OptimConfig)
+
+
+@_frozen
+class RewardModelRun:
+    steps: int = option(100, "steps of one batch of pairs each", min=1)
+    batch_size: int = option(32, "preference pairs per step", min=1)
+    seed: int = _seed()
+    optim: OptimConfig = option(doc="the optimizer", factory=OptimConfig)
+    pairs: str = option("task", "'task' (the task's synthetic pairs), 'policy' (the policy's own samples ranked by "
+                        "the task's reward, `runs.policy_pairs`) or 'both'", choices=PAIR_SOURCES)
+    samples_per_prompt: int = option(0, "k samples per prompt for on-policy pairs (>= 2; 0: no on-policy pairs, "
+                                     "with pairs='task' only); the held-out prompts' pairs are then evaluated too "
+                                     "(eval/policy_pairs/accuracy)", min=0)
+    temperature: float = option(1.0, "the temperature of those samples", above=0)
+    num_prompts: int = option(0, "the first this many training prompts are sampled (0: all of them)", min=0)
+    ensemble: int = option(1, "K reward models trained alike on the same pairs (member k's head and batch order "
+                           "from seed + k)", min=1)
+    ensemble_reduce: str = option("mean", "PPO's reward from the members' scores: 'mean', or 'min' (the "
+                                  "conservative one); their disagreement is reward/reward_model_std",
+                                  choices=ENSEMBLE_REDUCE)
+    sft_steps: int = option(0, "extra SFT steps (the sft section's batch size and optimizer, a fresh schedule, "
+                            "batch order from sft.seed + 1) on the reward model's own copy of the policy's trunk "
+                            "before it learns from pairs (0: the policy's trunk as it is)", min=0)
+
+
+# A phase's section: its run options and its algorithm's config, in the order a run runs them.
+PHASE_SECTIONS = {
+    "sft": (SFTRun, SFTConfig),
+    "reward_model": (RewardModelRun, RewardModelConfig),
+    "grpo": (GRPORun, GRPOConfig),
+    "ppo": (PPORun, PPOConfig),
+    "dpo": (DPORun, DPOConfig),
+}
+
+
+@_frozen
+class TrainConfig:
+    """The loop: logging, held-out evaluation, early stopping, checkpoints, the update guard,
+    export, the health monitor (`runs.loop`, `runs.evaluation`, `runs.stopping`,
+    `runs.health`)."""
+
+    log_every: int = option(10, "steps between metrics rows", min=1, safe=True)
+    eval_every: int = option(0, "steps between held-out evaluations of each phase (greedy eval/accuracy and "
+                             "eval/reward, plus the sampled metrics with eval_samples); 0: only the summary's rows",
+                             min=0, safe=True)
+    checkpoint_every: int = option(100, "steps between checkpoints of each phase", min=1, safe=True)
+    keep_checkpoints: int = option(2, "checkpoints kept per phase (the newest)", min=1, safe=True)
+    progress: bool = option(True, "a progress bar with live metrics", safe=True)
+    tensorboard: bool = option(True, "also write TensorBoard events", safe=True)
+    show_samples: int = option(5, "held-out sample outputs printed under the summary table", min=0, safe=True)
+    export: bool = option(True, "write the final policy (or reward model) as a Hugging Face folder "
+                          "workdir/export", safe=True)
+    eval_batch_size: int = option(512, "sequences per evaluation batch (a sampled batch holds eval_batch_size // n "
+                                  "prompts)", min=1, safe=True)
+    eval_samples: int = option(0, "n > 0: also sample n responses per held-out prompt at eval_temperature and "
+                               "report mean@n, pass@k and maj@k", min=0, safe=True)
+    eval_k: str = option("1,4,8", "the k of pass@k and maj@k, comma-separated, each in [1, eval_samples]",
+                         safe=True)
+    eval_temperature: float = option(1.0, "the temperature of the sampled evaluation", above=0, safe=True)
+    eval_slots: int = option(0, "S > 0 decodes each evaluation batch by continuous batching over S slots (the "
+                             "same tokens, faster where lengths spread); 0: one static batch", min=0, safe=True)
+    stop_metric: str | None = option(None, "an evaluation metric to stop on, without the eval/ prefix ('accuracy', "
+                                     "'pass@4'); None: no early stopping (needs eval_every > 0)")
+    stop_mode: str = option("max", "'max' (higher is better) or 'min'", choices=("max", "min"))
+    stop_patience: int = option(0, "end the phase (as finished) after this many evaluations in a row without a "
+                                "new best (0: never; the best is still recorded)", min=0)
+    stop_min_delta: float = option(0.0, "an evaluation is a new best when it beats the best by more than this",
+                                   min=0)
+    keep_best: bool = option(False, "end the phase with the parameters of its best evaluation, not the last ones "
+                             "(one more device copy of the policy; each checkpoint holds it too)")
+    stop_phases: str | None = option(None, "the phases the rule applies to, comma-separated ('sft,ppo'); None: the "
+                                     "run's own phase (config.algorithm)")
+    max_param_norm_change: float | None = option(1.0, "after every update the new state must be finite and the "
+                                                 "trained parameters' global norm may change by at most this "
+                                                 "fraction (1.0: may not double, nor drop to 0, in one update), "
+                                                 "checked before the state can be saved; None: no bound "
+                                                 "(finiteness is still checked)", above=0, safe=True)
+    time_split: bool = option(True, "run each GRPO/PPO step as three timed programs (rollout, scoring, update) and "
+                              "report time/rollout_s, time/scoring_s, time/update_s, time/tokens_per_s (+0.5–1.4 % "
+                              "wall time, docs/benchmarks.md); False: a JAX reward's step is one untimed program",
+                              safe=True)
+    wandb: bool = option(False, "also log every metrics row to Weights & Biases (pip install jaxrlhf[wandb])",
+                         safe=True)
+    wandb_project: str = option("jaxrlhf", "the Weights & Biases project", safe=True)
+    wandb_mode: str | None = option(None, "'online' or 'offline'; None: online when WANDB_API_KEY is set, else "
+                                    "offline (kept under workdir/wandb; upload later with wandb sync)",
+                                    choices=(None, "online", "offline"), safe=True)
+    log_completions_every: int = option(0, "every N steps of a GRPO/PPO phase write the first sampled responses "
+                                        "(prompt, completion, token ids, each reward component, the total and the "
+                                        "advantage) to workdir/completions.jsonl (and a wandb table); 0: off",
+                                        min=0, safe=True)
+    monitor: MonitorConfig = option(doc="the health monitor's thresholds (`monitor.MonitorConfig`)",
+                                    factory=MonitorConfig, safe=True)
+
+
+@_frozen
+class RewardSection:
+    """Python rewards and a reward-model folder beside the task's own reward
+    (`runs.tasks.with_python_rewards`, `runs.reward_folder`)."""
+
+    fns: str = option("", "comma-separated import paths 'pkg.module:function' of functions in TRL's reward_funcs "
+                      "convention, fn(prompts=[...], completions=[...], **row_fields) -> list[float | bool | None] "
+                      "(a bool is 0/1; None: no score for that response, left out of that function's term; a row "
+                      "no weighted reward scores is dropped from the update and counted)")
+    weights: str = option("", "one weight per function, comma-separated ('': 1.0 each)")
+    task_weight: float = option(1.0, "the task's own reward's weight (0: train on yours alone; it is still the "
+                                "held-out accuracy)")
+    timeout: float | None = option(300.0, "seconds each call of a function may take: each runs in a worker "
+                                   "process of its own (`reward_workers.Clocked`) with a progress line while one "
+                                   "runs long, and a call past it is abandoned (the worker killed); None: no limit, "
+                                   "the functions run in the run's own process", above=0, safe=True)
+    on_timeout: str = option("error", "'error' (stop the run naming the function) or 'zero' (score that batch 0 "
+                             "for that function, warn, count it in reward/<name>/timeouts)",
+                             choices=("error", "zero"), safe=True)
+    max_abs_score: float | None = option(1e6, "a score above this in absolute value is an error naming the function "
+                                         "and the row; None: finite is enough", above=0, safe=True)
+    model_path: str = option("", "a Hugging Face *ForSequenceClassification folder whose score of prompt ⧺ response "
+                             "joins the reward of GRPO (and PPO with ppo.reward='task') at model_weight, frozen; its "
+                             "tokenizer must encode like the task's ('': none)")
+    model_weight: float = option(1.0, "the weight of that model's score")
+
+
+@_frozen
+class LoRASection:
+    """LoRA adapters (`models.lora`) in every phase: SFT, GRPO, DPO, PPO's actor and critic,
+    the reward model; a policy's reference is then the base without them."""
+
+    rank: int = option(0, "0: off (all weights trained); r > 0: only rank-r adapters are (and a critic's or reward "
+                       "model's new head), the rest frozen", min=0)
+    alpha: float = option(16.0, "the scale alpha / r (alpha / sqrt(r) with rslora)", above=0)
+    targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                          "comma-separated regexes searched in the projection paths ('self_attn/q_proj', ..., "
+                          "'lm_head' when untied)")
+    rslora: bool = option(False, "rank-stabilised scaling alpha / sqrt(r)")
+    dropout: float = option(0.0, "p of the adapters' input in training losses only (PEFT's lora_dropout)", min=0,
+                            below=1)
+    phases: str = option("", "the phases that train adapters, comma-separated ('': all; 'grpo': the SFT warm start "
+                         "trains all weights); each starts with fresh ones, those of the phase before merged")
+    quantize: str = option("none", "QLoRA: the frozen base's layer projections stored quantised from the first "
+                           "adapter phase on (`models.quant`)", choices=("none", "int8", "nf4"))
+
+
+@_frozen
+class ModelSection:
+    """A fresh model of these sizes, or `path` a local Hugging Face checkpoint folder (its
+    config.json then gives the sizes); the runtime options apply to both."""
+
+    path: str = option("", "a local Hugging Face checkpoint folder ('': a fresh model of the sizes below)")
+    hidden_size: int = option(128, "a fresh model's width", min=1)
+    intermediate_size: int = option(384, "a fresh model's MLP width", min=1)
+    num_layers: int = option(2, "a fresh model's layers", min=1)
+    num_heads: int = option(4, "a fresh model's attention heads", min=1)
+    num_kv_heads: int = option(4, "a fresh model's key/value heads (grouped-query attention below num_heads)", min=1)
+    head_dim: int = option(32, "a fresh model's head width", min=1)
+    max_position_embeddings: int = option(64, "a fresh model's longest sequence", min=1)
+    tie_word_embeddings: bool = option(False, "a fresh model's LM head is its embedding")
+    dtype: str = option("float32", "the dtype of activations", choices=("float32", "bfloat16", "float16"))
+    param_dtype: str = option("float32", "the dtype of the parameters", choices=("float32", "bfloat16", "float16"))
+    remat: str = option("none", "what each layer keeps for the backward pass: 'none', 'full', 'dots', 'offload' "
+                        "(`models.config.REMAT_POLICIES`)", choices=("none", "full", "dots", "offload"), safe=True)
+    scan_layers: bool = option(False, "run the layer stack as one scan (a shorter first compile)")
+    attention: str = option("auto", "the attention implementation (`models.attention`)", safe=True)
+    cache_dtype: str | None = option(None, "the KV cache's dtype; None: dtype")
+    matmul_dtype: str | None = option(None, "the dtype of the projections' matmuls; None: dtype")
+    logprobs_head: str = option("auto", "how response log-probs leave the LM head: 'auto', 'plain' or 'chunked' "
+                                "(never the whole [N, T, V] logits)", choices=("auto", "plain", "chunked"))
+    lora: LoRASection = option(doc="LoRA adapters", factory=LoRASection)
+
+
+@_frozen
+class Parallel:
+    """The top level's device mesh and sharding rules (`runs.sharding`)."""
+
+    mesh: str = option("data=-1", "a `parallel.make_mesh` spec over all devices of all processes: 'data=-1' (the "
+                       "batch split over every device, parameters replicated), 'fsdp=4,tensor=2', ...", safe=True)
+    rules: str = option("fsdp_tp", "the sharding rules of every role's parameters, a preset of "
+                        "`parallel.PRESETS`: 'fsdp_tp', 'fsdp' or 'replicated'", safe=True)
+
+
+@_frozen
+class AdditionTask:
+    """The built-in addition task (`data.arithmetic`): 'a+b=' → the sum's digits."""
+
+    name: str = option("addition", "the task: 'addition', 'jsonl' or 'word_problems'")
+    num_digits: int = option(2, "digits of each operand", min=1)
+    reverse_answer: bool = option(False, "the sum's digits written last to first")
+    num_train: int = option(8000, "training questions", min=1)
+    num_test: int = option(500, "held-out questions", min=1)
+    num_pairs: int = option(0, "synthetic preference pairs (a right and a wrong sum) for DPO and reward models",
+                            min=0)
+    partial_credit: float = option(0.0, "weight of the per-digit reward beside exact match", min=0)
+    length_bonus: float = option(0.0, "weight of a reward for the fraction of max_new_tokens used: a deliberately "
+                                 "wrong reward, to see the monitor's [length_hacking] warning", min=0)
+    seed: int = option(0, "the seed of the generated questions")
+
+
+@_frozen
+class _TextTask:
+    """The options every task of a Hugging Face tokenizer has."""
+
+    tokenizer_path: str = option("", "the tokenizer's folder ('': model.path's)")
+    max_prompt_tokens: int = option(256, "a longer prompt follows long_prompts", min=1)
+    max_new_tokens: int = option(256, "the held-out evaluation's response tokens", min=1)
+    chat_template: bool = option(True, "prompts through the tokenizer's chat template")
+    system_prompt: str = option("", "a system turn before every prompt ('': none)")
+    stop_tokens: str = option("", "more tokens that end a response besides the tokenizer's EOS and the checkpoint's "
+                              "generation_config.json eos_token_ids (token strings or ids, comma-separated)")
+    stop_strings: str = option("", "text that ends a response, comma-separated ('</answer>,\\n\\n') or a JSON list "
+                               "when one holds a comma; each response is cut on the host after the first token at "
+                               "which its text contains one (`rollout.stop_strings`)")
+    chat_template_kwargs: str = option("", "a JSON object of extra chat-template variables for every rendering "
+                                       "('{\"enable_thinking\": false}')")
+    chat_template_timeout: float | None = option(10.0, "the seconds one rendering of the chat template may take: a "
+                                                 "template that loops past it stops the run, naming the template "
+                                                 "and the row (`data.chat`); None: no limit", above=0)
+    long_prompts: str = option("drop", "a prompt over max_prompt_tokens is 'drop'ped (counted as too_long) or "
+                               "'left_truncate'd to its last max_prompt_tokens tokens (counted)",
+                               choices=("drop", "left_truncate"))
+
+
+@_frozen
+class JsonlTask(_TextTask):
+    """Rows from local JSONL/Parquet files and TFDS datasets (`runs.tasks`, `data.sources`)."""
+
+    name: str = option("jsonl", "the task: 'addition', 'jsonl' or 'word_problems'")
+    kind: str = option("prompts", "'prompts' (prompt + reference answer, for GRPO/PPO), 'sft' (messages_key chats "
+                       "learnt on their assistant turns, or prompt_key / completion_key pairs) or 'pairs' "
+                       "(prompt_key / chosen_key / rejected_key, for DPO and reward models)",
+                       choices=("prompts", "sft", "pairs"))
+    path: str = option("", "the training rows: a source spec 'a.jsonl:0.7,tfds:name/split:0.3' (weights "
+                       "optional, mixed with seed)")
+    test_path: str = option("", "the held-out rows, a source spec")
+    data_dir: str = option("", "where TFDS datasets are read from")
+    seed: int = option(0, "the seed of the sources' mixing")
+    prompt_key: str = option("question", "the prompt's field")
+    answer_key: str = option("answer", "the reference answer's field")
+    messages_key: str = option("messages", "the chat's field (kind 'sft')")
+    completion_key: str = option("completion", "the completion's field (kind 'sft')")
+    chosen_key: str = option("chosen", "the chosen response's field (kind 'pairs')")
+    rejected_key: str = option("rejected", "the rejected response's field (kind 'pairs')")
+    max_response_tokens: int = option(512, "an SFT completion or a pair's response is cut to this", min=1)
+    on_error: str = option("skip", "a bad row is 'skip'ped (counted, file:line logged) or stops the run ('raise')",
+                           choices=("skip", "raise"))
+    sft_path: str = option("", "a source spec of the run's SFT warm start's rows, read as kind 'sft' with the same "
+                           "field names")
+    pairs_path: str = option("", "a source spec of the reward model's pairs, read as kind 'pairs' (SFT -> reward "
+                             "model -> PPO, all from files)")
+    max_row_bytes: int | None = option(2**20, "a row (JSONL line, Parquet/TFDS row's text) of more bytes is bad "
+                                       "(row_too_long: skipped or raised by on_error), found after reading at "
+                                       "most this + 1 bytes of it, before it is parsed or tokenized; None: no "
+                                       "limit", min=1)
+    max_file_bytes: int | None = option(10 * 2**30, "a larger file is refused; None: no limit", min=1)
+
+
+@_frozen
+class WordProblemsTask(_TextTask):
+    """Generated one-digit arithmetic questions in words for a Hugging Face chat model
+    (`data.make_word_problems`); reward = exact answer + format_weight × the '#### <n>' format."""
+
+    name: str = option("word_problems", "the task: 'addition', 'jsonl' or 'word_problems'")
+    num_train: int = option(4000, "training questions", min=1)
+    num_test: int = option(200, "held-out questions", min=1)
+    seed: int = option(0, "the seed of the generated questions")
+    max_prompt_tokens: int = option(128, "a longer prompt follows long_prompts", min=1)
+    max_new_tokens: int = option(48, "the held-out evaluation's response tokens", min=1)
+    system_prompt: str = option("Answer with '#### <number>'.", "a system turn before every prompt ('': none)")
+    format_weight: float = option(0.0, "the weight of the '#### <n>' format reward", min=0)
+
+
+TASK_SECTIONS = {"addition": AdditionTask, "jsonl": JsonlTask, "word_problems": WordProblemsTask}
+# The sections every run has besides its phases', and the top level's keys (`Parallel`).
+RUN_SECTIONS = {"train": (TrainConfig,), "reward": (RewardSection,), "model": (ModelSection,)}
+
+
+def schema(config) -> dict[str, tuple[type, ...]]:
+    """`{section: its classes}` of `config` (the top level as ""), for the sections it has."""
+    out = {"": (Parallel,)}
+    for name, classes in {**PHASE_SECTIONS, **RUN_SECTIONS}.items():
+        if name in config:
+            out[name] = classes
+    if "task" in config:
+        kind = config.task.get("name", "addition")
+        if kind not in TASK_SECTIONS:
+            raise ValueError(f"task.name={kind!r}; expected one of {sorted(TASK_SECTIONS)}")
+        out["task"] = (TASK_SECTIONS[kind],)
+    return out
+
+
+def entry(config, key: str) -> options.Entry | None:
+    """The option of dotted `key` ("grpo.optim.lr", "mesh") in `config`'s schema; None for a
+    key no dataclass declares (e.g. `algorithm`, `seed`)."""
+    section, _, rest = key.partition(".")
+    sections = schema(config)
+    if section not in sections or not rest:
+        section, rest = "", key
+    for e in options.walk(*sections[section]):
+        if e.key == rest:
+            return e
+    return None
+
+
+def is_safe(config, key: str) -> bool:
+    """Whether `key` may change when a workdir resumes: its field, or a section above it,
+    is marked `safe` (e.g. `train.monitor` and every threshold below it)."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        e = entry(config, ".".join(parts[:n]))
+        if e is not None and e.field.metadata.get("safe"):
+            return True
+    return False
+
+
+def _markdown() -> str:
+    """docs/options.md: every section's options with their default, rule and doc."""
+    lines = ["# Every option", "",
+             "Generated from the dataclasses that define them (`python -m jaxrlhf.runs.sections > docs/options.md`; "
+             "a test checks this file is current). Set any of them with `--config.<section>.<key>=value`; `None` "
+             "turns off an option that can be off. *resume-safe*: may change when a workdir resumes "
+             "(`--resume_with_changes`); a phase's `steps` may too (docs/training.md).", ""]
+    groups = [("Top level", (Parallel,))] + [(f"`{n}`", c) for n, c in PHASE_SECTIONS.items()] + [
+        (f"`{n}`", c) for n, c in RUN_SECTIONS.items()] + [(f"`task` (name='{n}')", (c,)) for n, c in
+                                                          TASK_SECTIONS.items()]
+    for title, classes in groups:
+        lines += [f"## {title}", "", "| option | default | rule | resume-safe | what it does |", "|---|---|---|---|---|"]
+        for e in options.walk(*classes):
+            if options.nested(e.cls, e.field.name):
+                continue
+            default = e.default
+            safe = "yes" if e.field.metadata.get("safe") or _parent_safe(classes, e.key) else ""
+            doc = e.field.metadata.get("doc", "").replace("|", "\\|")
+            lines.append(f"| `{e.key}` | `{default!r}` | {options.describe_rule(e.field)} | {safe} | {doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _parent_safe(classes, key: str) -> bool:
+    parents = {e.key: e for e in options.walk(*classes)}
+    parts = key.split(".")
+    return any(parents[".".join(parts[:n])].field.metadata.get("safe") for n in range(1, len(parts))
+               if ".".join(parts[:n]) in parents)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(_markdown())
