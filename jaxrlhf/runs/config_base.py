@@ -236,6 +236,13 @@ def train(**kw) -> mlc.ConfigDict:
       ids, each reward component, the total and the advantage) to
       `<workdir>/completions.jsonl`, and with `wandb` as a `completions` table.
 
+    hooks: the user's hooks of every phase's loop, comma-separated import paths
+      "pkg.mod:Hook,other.mod:make_hook" (a class or factory is called with no arguments;
+      "" = none). `runs.hooks` lists their moments (on_start, on_step, on_eval, on_save,
+      on_end) and order. checkpoint_every_s: also save a checkpoint whenever this many
+      seconds passed since the last one (e.g. 1800 on a preemptible machine; 0 = off;
+      `checkpoint_every` still applies).
+
     time_split: run each GRPO/PPO step as three programs (rollout, scoring, update), each
       waited for, and report where the time goes: `time/rollout_s`, `time/scoring_s`,
       `time/update_s`, `time/tokens_per_s` (`algorithms.timing`). On by default: against
@@ -251,7 +258,7 @@ def train(**kw) -> mlc.ConfigDict:
         eval_slots=0,
         stop_metric="", stop_mode="max", stop_patience=0, stop_min_delta=0.0, keep_best=False, stop_phases="",
         max_param_norm_change=1.0, time_split=True, wandb=False, wandb_project="jaxrlhf", wandb_mode="",
-        log_completions_every=0,
+        log_completions_every=0, hooks="", checkpoint_every_s=0.0,
         monitor=monitor(**mon)), **kw))
 
 
