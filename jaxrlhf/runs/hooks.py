@@ -13,19 +13,21 @@ The moments (each method optional; `Hook` has them all as no-ops):
   runs steps `ctx.start + 1 .. ctx.end`, none when it finished in an earlier run).
 - `on_step(ctx, step, state, metrics)`: after each update; `step` counts updates from 1,
   `state` is the state after it (`ctx.state`), `metrics` the row of this step, which a
-  hook may add to (the metrics hook writes it). `ctx.finished`: this step ends the phase.
+  hook may add to (written after the user's hooks). `ctx.finished`: this step ends the
+  phase.
 - `on_eval(ctx, step, evaluation)`: after each periodic held-out evaluation (every
   `train.eval_every` steps; the names without `eval/`). It comes from inside the
   evaluation hook's `on_step`, so within step `step` before the later hooks' `on_step`.
 - `on_save(ctx, step)`: after a checkpoint of `step` was started (orbax writes it in the
   background; `ctx.checkpointer.wait()` waits for it), from inside the checkpoint hook's
-  `on_step`.
+  `on_step`, the last of the step.
 - `on_end(ctx, error)`: once, on every way out of the phase (`error`: the exception that
   ends it, None when its steps ran out), in the REVERSE order, like nested `with` blocks.
 - `checkpoint_meta(ctx) -> dict`: JSON the hook keeps in each checkpoint's meta, given
   back on resume as `ctx.meta` (a checkpoint written without the hook lacks its keys).
 
-Every moment calls the hooks in one order, the built-in ones first (`runs.loop_hooks`):
+Every moment calls the hooks in one order (`on_end` in reverse), the built-in ones
+(`runs.loop_hooks`) around the user's:
 
 1. `CheckMetrics`: the health monitor (`monitor.HealthMonitor`); a NaN/Inf metric raises
    `NonFiniteError`, before anything of the step is saved.
@@ -34,29 +36,36 @@ Every moment calls the hooks in one order, the built-in ones first (`runs.loop_h
    evaluated or saved. (On resume it also rejects a saved state that is not finite.)
 3. `Evaluate`: the periodic held-out evaluation (`eval/*` metrics), then `on_eval` of
    every hook.
-4. `StopEarly`: early stopping and keep-best (`runs.stopping.EarlyStop`): its `on_eval`
-   may end the phase (`ctx.finished`); on the phase's last step it adds
-   `early_stop/best_*` and, with keep_best, puts the best parameters back into
-   `ctx.state` before they are written and saved.
-5. `WriteMetrics`: the row to `metrics.jsonl` / TensorBoard / W&B every `log_every` steps
+4. `StopEarly` (with `train.stop_metric`): early stopping and keep-best
+   (`runs.stopping.EarlyStop`): its `on_eval` may end the phase (`ctx.finished`); on the
+   phase's last step it adds `early_stop/best_*` and, with keep_best, puts the best
+   parameters back into `ctx.state`.
+5. the user's hooks, in the order given (`train.hooks`, then `run_phase(hooks=...)`).
+6. `WriteMetrics`: the row to `metrics.jsonl` / TensorBoard / W&B every `log_every` steps
    and at the end, and the progress bar.
-6. `Preemption`: SIGTERM (and the caller's `should_stop`) turned into `ctx.stopping`, the
+7. `Preemption`: SIGTERM (and the caller's `should_stop`) turned into `ctx.stopping`, the
    same on every process: this step is saved, then the phase raises `loop.Preempted`.
-7. `Checkpoints`: saves every `checkpoint_every` steps, every `checkpoint_every_s`
+8. `Checkpoints`: saves every `checkpoint_every` steps, every `checkpoint_every_s`
    seconds of wall-clock time since the last save, at the end and when stopping, keeping
-   `keep_checkpoints`; then `on_save` of every hook. Resume is its too (`resume`).
-8. the user's hooks, in the order given (`train.hooks`, then `run_phase(hooks=...)`).
+   the newest `keep_checkpoints`; the meta holds every hook's `checkpoint_meta`; then
+   `on_save` of every hook. Resuming is its too (`Checkpoints.resume`, before `on_start`).
 
-So a NaN or a poisoned update stops the run before anything is saved, an evaluation and
-the early-stopping decision come before the row is written and saved, and a user's
-`on_step` sees the step's whole row (with `eval/*`) after its checkpoint was started.
+So a NaN or a poisoned update stops the run before anything is evaluated or saved; a
+user's `on_step` sees the step's row with its evaluation, may add metrics to it, and comes
+before the step is saved: what it keeps in `checkpoint_meta` is the step's, and an
+exception from it stops the run before the step is saved. A step's moments come as
+`on_eval` (if it evaluates), `on_step`, `on_save` (if it saves). `on_end` runs in reverse:
+the checkpoint save in flight is waited for (at most `SAVE_WAIT_S` after a Ctrl-C) and the
+SIGTERM handler put back before the user's `on_end`.
 
 Writing one:
 
+    import optax
     from jaxrlhf.runs.hooks import Hook
 
     class PrintLoss(Hook):
         def on_step(self, ctx, step, state, metrics):
+            metrics["w_norm"] = float(optax.global_norm(state.params))  # written in the row
             if step % 10 == 0:
                 print(ctx.phase.name, step, metrics["loss"])
 

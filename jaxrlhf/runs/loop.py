@@ -14,7 +14,8 @@ restored step and a tqdm bar, checkpoints every N steps and/or every N seconds w
 keep policy, and SIGTERM (preemption) saving a checkpoint before a clean exit: one that
 comes anywhere in the phase (its restore, a step, an evaluation, a save, the last save)
 stops it after the step in progress, saved. A Ctrl-C waits at most `SAVE_WAIT_S` for a
-checkpoint save in flight. A user's hooks (`train.hooks`, `hooks=`) come after them.
+checkpoint save in flight. A user's hooks (`train.hooks`, `hooks=`) come after the checks,
+the evaluation and early stopping, before the row is written and the step saved.
 
 In a multi-process job every process runs the loop in lockstep (steps, evaluations and
 checkpoint saves are collective): metrics are read replicated, only process 0 writes them,
@@ -108,7 +109,7 @@ class PhaseConfig:
     progress: bool = True
     show: tuple[str, ...] = ("loss",)  # metric names shown on the progress bar
     checkpoint_every_s: float = 0.0  # also save when this many seconds passed since the last save, 0 = off
-    hooks: tuple = ()  # the user's hooks (`hooks.load_hooks(train.hooks)`), after the built-in ones
+    hooks: tuple = ()  # the user's hooks (`hooks.load_hooks(train.hooks)`), `runs.hooks` says when they run
 
 
 def run_phase(
@@ -160,8 +161,9 @@ def run_phase(
     `with_params(state, best)` before the final save. Its state is in every checkpoint's
     meta; the final metrics row adds `early_stop/best_step` and `early_stop/best_value`.
 
-    `hooks`: the user's hooks (`runs.hooks`), called after the built-in ones and after
-    `phase.hooks`; what one raises stops the phase with a `HookError` naming it.
+    `hooks`: the user's hooks (`runs.hooks`), called after `phase.hooks`, both after the
+    built-in checks, evaluation and early stopping and before the metrics row is written
+    and the step saved; what one raises stops the phase with a `HookError` naming it.
 
     Every step's metrics get `time/step_s` and `time/compiles`; the phase ends with a log
     line of where its time went (`TimeSplit`: the means of the steps' `time/*` metrics over
@@ -178,11 +180,12 @@ def run_phase(
     checkpoints = Checkpoints(ckpt, every=phase.checkpoint_every, every_s=phase.checkpoint_every_s,
                               check=guard.restorable, extra_meta=extra_meta, clock=clock)
     preemption = Preemption(should_stop)
-    builtin = (CheckMetrics(monitor), guard, Evaluate(eval_fn, phase.eval_every),
-               *([StopEarly(early_stop, eval_fn, params_of, with_params)] if early_stop is not None else []),
-               WriteMetrics(), preemption, checkpoints)
-    ctx = Context(phase=phase, workdir=Path(workdir), writer=writer, checkpointer=ckpt, batches=batches,
-                  hooks=(*builtin, *(as_user_hook(h) for h in (*phase.hooks, *hooks))), state=state)
+    # The order of `runs.hooks`: the checks, the evaluation and early stopping, the user's hooks,
+    # then the row written, the stop decision and the checkpoint (with every hook's meta).
+    ctx = Context(phase=phase, workdir=Path(workdir), writer=writer, checkpointer=ckpt, batches=batches, state=state,
+                  hooks=(CheckMetrics(monitor), guard, Evaluate(eval_fn, phase.eval_every),
+                         *([StopEarly(early_stop, eval_fn, params_of, with_params)] if early_stop is not None else []),
+                         *(as_user_hook(h) for h in (*phase.hooks, *hooks)), WriteMetrics(), preemption, checkpoints))
     last: dict = {}
     where_time_goes = TimeSplit()
     error = None
@@ -204,7 +207,7 @@ def run_phase(
             where_time_goes.add(metrics)
             ctx.step = step + 1
             ctx.finished = ctx.step == phase.num_steps
-            for hook in ctx.hooks:  # checks, evaluation, early stop, metrics, checkpoint, the user's
+            for hook in ctx.hooks:  # checks, evaluation, early stop, the user's, metrics, checkpoint
                 hook.on_step(ctx, ctx.step, ctx.state, metrics)
             last = metrics
             if ctx.finished:
@@ -254,3 +257,6 @@ class TimeSplit:
         if timing.ROLLOUT_S in self.sums:
             text += f"; {self.tokens / max(self.sums[timing.ROLLOUT_S], 1e-9):,.0f} generated tokens/s"
         return text
+
+
+__all__ = ["ArrayBatches", "Batches", "PhaseConfig", "Preempted", "SAVE_WAIT_S", "TimeSplit", "run_phase"]
