@@ -6,7 +6,7 @@
     state, metrics = step(state, shard_batch(batch, mesh), rng)
 """
 
-from jaxrlhf.parallel import checkpoint, distributed
+from jaxrlhf.parallel import distributed
 from jaxrlhf.parallel.loading import load_pretrained_sharded
 from jaxrlhf.parallel.mesh import AXES, MeshConfig, batch_axis_size, make_mesh
 from jaxrlhf.parallel.rules import (
@@ -17,6 +17,7 @@ from jaxrlhf.parallel.rules import (
     IndivisibleError,
     MissingRuleError,
     abstract_params,
+    abstract_state,
     batch_shardings,
     batch_spec,
     cache_shardings,
@@ -44,9 +45,9 @@ from jaxrlhf.parallel.sampling import generate_sharded
 __all__ = [
     "AXES", "MeshConfig", "batch_axis_size", "make_mesh",
     "DEFAULT_RULES", "FSDP_RULES", "PRESETS", "REPLICATED_RULES", "IndivisibleError", "MissingRuleError",
-    "abstract_params", "batch_shardings", "batch_spec", "cache_shardings", "constrain", "constrain_batch",
+    "abstract_params", "abstract_state", "batch_shardings", "batch_spec", "cache_shardings", "constrain", "constrain_batch",
     "get_rules", "init_sharded", "init_train_state_sharded", "jit_sharded", "jit_step", "kernel_mesh", "logical_to_spec",
     "match_shardings", "optimizer_state_shardings", "param_shardings", "param_specs", "place_state", "put_sharded",
     "replicated", "shard_batch", "state_shardings",
-    "generate_sharded", "load_pretrained_sharded", "checkpoint", "distributed",
+    "generate_sharded", "load_pretrained_sharded", "distributed",
 ]

@@ -383,6 +383,13 @@ def place_state(state: PyTree, params_shardings: PyTree = None, *, roles: Mappin
     return jax.device_put(state, sh), sh
 
 
+def abstract_state(state_shape: PyTree, shardings: PyTree) -> PyTree:
+    """`ShapeDtypeStruct`s of `state_shape` (arrays or shapes) carrying `shardings`: the
+    target a checkpoint restores into (`runs.checkpointing.Checkpointer.restore`), whose
+    mesh may differ from the one that saved it."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state_shape, shardings)
+
+
 def put_sharded(host_tree: PyTree, shardings: PyTree) -> PyTree:
     """Host arrays (the same values on every process, e.g. from `models.random_init`) →
     global arrays with `shardings`; each process places only its own devices' slices

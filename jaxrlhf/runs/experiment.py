@@ -67,7 +67,7 @@ import ml_collections as mlc
 from jaxrlhf import exits, reward_workers, runlog
 from jaxrlhf.models import lora, peft_export, quant, save_pretrained
 from jaxrlhf.models.checkpoint import move_into_place
-from jaxrlhf.runs import phases, reward_folder, setup, stopping, validation
+from jaxrlhf.runs import hooks, phases, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
@@ -221,6 +221,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
                              "reward.task_weight, 0 = the folder's model alone)")
         reward_folder.check_folder(folder)  # a classifier folder, before any work
     stops = stopping.from_config(config, sampled)  # {phase: EarlyStop}, checked before any work
+    hooks.check_train(config.train)  # train.hooks import, train.checkpoint_every_s >= 0: before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work

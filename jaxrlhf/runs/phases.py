@@ -40,6 +40,7 @@ from jaxrlhf.rollout.sampler import SampleOutput
 from jaxrlhf.algorithms.ppo_rollout import on_actor
 from jaxrlhf.runs import policy_pairs, setup
 from jaxrlhf.runs.completions import completion_rows
+from jaxrlhf.runs.hooks import load_hooks
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.stopping import EarlyStop
@@ -103,7 +104,8 @@ def library_config(name: str, cfg, task: Task, *, monitor=None):
 def _phase(name, cfg, train, **kw) -> PhaseConfig:
     return PhaseConfig(name=name, num_steps=cfg.steps, log_every=train.log_every, eval_every=train.eval_every,
                        checkpoint_every=train.checkpoint_every, keep_checkpoints=train.keep_checkpoints,
-                       max_param_norm_change=train.max_param_norm_change, progress=train.progress, **kw)
+                       max_param_norm_change=train.max_param_norm_change, progress=train.progress,
+                       checkpoint_every_s=train.get("checkpoint_every_s"), hooks=load_hooks(train.get("hooks")), **kw)
 
 
 def _stopping(early_stop: EarlyStop | None, role: str | None = None) -> dict:

@@ -123,6 +123,12 @@ class TrainConfig:
                              "eval/reward, plus the sampled metrics with eval_samples); 0: only the summary's rows",
                              min=0, safe=True)
     checkpoint_every: int = option(100, "steps between checkpoints of each phase", min=1, safe=True)
+    checkpoint_every_s: float | None = option(None, "also save a checkpoint whenever this many seconds passed since "
+                                              "the last one (e.g. 1800 on a preemptible machine; checkpoint_every "
+                                              "still applies); None: off", above=0, safe=True)
+    hooks: str | None = option(None, "your hooks in every phase's loop, comma-separated import paths "
+                               "'pkg.mod:Hook,other.mod:make_hook' (a class or factory is called with no arguments; "
+                               "`runs.hooks` lists their moments and order); None: none", safe=True)
     keep_checkpoints: int = option(2, "checkpoints kept per phase (the newest)", min=1, safe=True)
     progress: bool = option(True, "a progress bar with live metrics", safe=True)
     tensorboard: bool = option(True, "also write TensorBoard events", safe=True)

@@ -33,6 +33,7 @@ from jaxrlhf.models import load_pretrained, random_init, save_pretrained, stack_
 from jaxrlhf.models.transformer import Transformer, init_cache, init_params  # noqa: E402
 from jaxrlhf.rollout.continuous import sample_continuous  # noqa: E402
 from jaxrlhf.rollout.sampler import cpu_row_blocks, generate  # noqa: E402
+from jaxrlhf.runs.checkpointing import Checkpointer  # noqa: E402
 
 MESHES = {"fsdp4_tensor2": "data=1,fsdp=4,tensor=2", "data2_fsdp4": "data=2,fsdp=4,tensor=1"}
 CHECKS = {}
@@ -388,10 +389,15 @@ def checkpoint_restores_into_other_mesh():
     model = MODEL
     mesh_b = mesh_of("data2_fsdp4")
     state, _ = trained("fsdp4_tensor2")  # saved under (fsdp=4, tensor=2), restored into (data=2, fsdp=4)
-    with tempfile.TemporaryDirectory() as d:
-        path = parallel.checkpoint.save(os.path.join(d, "ckpt"), state)
+    with tempfile.TemporaryDirectory() as d:  # the run's one orbax wrapper, `runs.checkpointing`
+        saving = Checkpointer(os.path.join(d, "ckpt"))
+        saving.save(1, state, {"step": 1})
+        saving.close()  # waits for the asynchronous save
         sh_b = parallel.state_shardings(jax.eval_shape(lambda: state), parallel.param_shardings(model, mesh_b))
-        restored = parallel.checkpoint.restore(path, parallel.checkpoint.abstract_state(state, sh_b))
+        restoring = Checkpointer(os.path.join(d, "ckpt"))
+        step, restored, meta = restoring.restore(parallel.abstract_state(state, sh_b))
+        restoring.close()
+    assert (step, meta) == (1, {"step": 1}), (step, meta)
     close(restored, state, rtol=0, atol=0, what="restored")
     k = restored.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
     assert k.sharding.mesh == mesh_b and k.sharding.spec == P("fsdp", None, None), k.sharding

@@ -3,7 +3,8 @@
 `python _multiproc_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR`: 2 CPU devices per
 process, a global (data=2, fsdp=2) mesh; trains the small policy step for 3 steps from
 host-local batches, writes metrics from process 0 only, saves an Orbax checkpoint from all
-processes and restores it into a (fsdp=4) mesh; process 0 then writes the gathered params.
+processes (`runs.checkpointing.Checkpointer`) and restores it into a (fsdp=4) mesh; process
+0 then writes the gathered params.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jaxrlhf.algorithms.common import TrainState  # noqa: E402
 from jaxrlhf.models import random_init  # noqa: E402
 from jaxrlhf.models.transformer import Transformer  # noqa: E402
 from jaxrlhf.parallel import distributed  # noqa: E402
+from jaxrlhf.runs.checkpointing import Checkpointer  # noqa: E402
 
 STEPS = 3
 
@@ -51,10 +53,15 @@ def main():
         state, metrics = step(state, distributed.host_local_to_global(local, mesh), jax.random.key(i))
         distributed.write_metrics(os.path.join(out, "metrics.jsonl"), i, metrics)
 
-    ckpt = parallel.checkpoint.save(os.path.join(out, "ckpt"), state)
+    saving = Checkpointer(os.path.join(out, "ckpt"))  # every process writes its own shards
+    saving.save(STEPS, state, {"step": STEPS})
+    saving.close()
     mesh2 = parallel.make_mesh("data=1,fsdp=-1")
     sh2 = parallel.state_shardings(jax.eval_shape(lambda: state), parallel.param_shardings(model, mesh2))
-    restored = parallel.checkpoint.restore(ckpt, parallel.checkpoint.abstract_state(state, sh2))
+    restoring = Checkpointer(os.path.join(out, "ckpt"))
+    step, restored, _ = restoring.restore(parallel.abstract_state(state, sh2))
+    restoring.close()
+    assert step == STEPS, step
     a, b = distributed.gather(state.params), distributed.gather(restored.params)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
