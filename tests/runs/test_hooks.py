@@ -162,7 +162,9 @@ def _tiny_sft(**sections):
     spec.loader.exec_module(module)
     config = module.get_config("tiny")
     with config.unlocked():
-        config.update(sections)
+        for name, section in sections.items():
+            del config[name]
+            config[name] = section
     return config
 
 
