@@ -39,10 +39,10 @@ class SamplingConfig:
                         "(`rollout.continuous`: the same tokens, faster where lengths spread)", min=0)
 
     def __post_init__(self):
-        check(self, "sampling.")
+        check(self)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"sampling.min_new_tokens={self.min_new_tokens} is impossible: it must be <= "
-                             f"sampling.max_new_tokens={self.max_new_tokens}")
+            raise ValueError(f"SamplingConfig.min_new_tokens={self.min_new_tokens} is impossible: it must be <= "
+                             f"max_new_tokens={self.max_new_tokens}")
 
 
 def sample_responses(model: Transformer, params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

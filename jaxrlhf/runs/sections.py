@@ -395,7 +395,7 @@ def is_safe(config, key: str) -> bool:
     return False
 
 
-def _markdown() -> str:
+def markdown() -> str:
     """docs/options.md: every section's options with their default, rule and doc."""
     lines = ["# Every option", "",
              "Generated from the dataclasses that define them (`python -m jaxrlhf.runs.sections > docs/options.md`; "
@@ -426,4 +426,4 @@ def _parent_safe(classes, key: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(_markdown())
+    sys.stdout.write(markdown())
