@@ -1,14 +1,7 @@
-"""`train_and_evaluate(config, workdir)`: the phases of `config.algorithm`, in order.
-
-- `sft`:          SFT on the task.
-- `grpo`:         (SFT warm start if `sft.steps > 0`) -> GRPO family on the task's reward.
-- `ppo`:          (SFT warm start) -> reward model on preference pairs -> RLHF-PPO. With
-                  `reward_model.sft_steps` > 0 the reward model starts from its own copy
-                  of the trunk trained that many more SFT steps (phase `reward_model_sft`);
-                  with `reward_model.ensemble` > 1 it is K members, PPO scoring with
-                  their `ensemble_reduce`d score.
-- `dpo`:          (SFT warm start) -> DPO on preference pairs.
-- `reward_model`: Bradley–Terry reward model on preference pairs.
+"""`train_and_evaluate(config, workdir)`: the phases of `registry.plan(config)`, in order —
+for the built-in algorithms (`runs.builtin`) `sft`, `grpo`, `ppo`, `dpo`, `reward_model`,
+each after the SFT warm start when `sft.steps` > 0 (PPO's reward model before it) — or
+those of an algorithm registered by the user (`runs.registry`, docs/extending.md).
 
 Every phase's counts and batch shapes are checked against the mesh before any work
 (`runs.validation`), and the task is built then too, its tokenizer-dependent options
@@ -62,12 +55,12 @@ import time
 from pathlib import Path
 
 import jax
-import ml_collections as mlc
 
 from jaxrlhf import exits, reward_workers, runlog
 from jaxrlhf.models import lora, peft_export, quant, save_pretrained
 from jaxrlhf.models.checkpoint import move_into_place
-from jaxrlhf.runs import hooks, phases, reward_folder, setup, stopping, validation
+from jaxrlhf.runs import builtin  # noqa: F401  (registers the five built-in algorithms)
+from jaxrlhf.runs import hooks, registry, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
@@ -76,9 +69,6 @@ from jaxrlhf.runs.tasks import build_task, python_rewards, with_python_rewards
 from jaxrlhf.runs.workdir import claim
 
 log = logging.getLogger("jaxrlhf")
-
-ALGORITHMS = ("sft", "grpo", "ppo", "dpo", "reward_model")
-
 
 def _print_summary(rows, samples, elapsed, show=True, sampled: SampledEval | None = None):
     """The before/after table: greedy exact match and reward, then (with `sampled`) one
@@ -175,27 +165,6 @@ def _evaluating(accuracy):
     return evaluate
 
 
-def _starting_from(stops: dict, phase: str, evaluation: dict):
-    """`phase`'s stopping rule (or None), given the evaluation of its starting parameters —
-    the table's row just taken — so that `run_phase` does not evaluate them again."""
-    rule = stops.get(phase)
-    if rule is not None:
-        rule.start_evaluation = evaluation
-    return rule
-
-
-def _reward_model_trunk(config, params, common: dict, *, rng):
-    """The reward model's own trunk (`reward_model.sft_steps` > 0): a copy of the policy's
-    `params` trained that many more SFT steps (the `sft` section's batch size and optimizer,
-    a fresh schedule, batch order from `sft.seed + 1`), checkpointed as phase
-    `reward_model_sft`. The policy's params are left as they are."""
-    cfg = mlc.ConfigDict(dict(config.sft.to_dict(), steps=config.reward_model.sft_steps, seed=config.sft.seed + 1))
-    copy = stopping.copy_params(params)  # the phase donates its state
-    trunk, _ = phases.sft_phase(cfg, config.train, **dict(common, eval_fn=None), params=copy, rng=rng,
-                                name="reward_model_sft")
-    return trunk
-
-
 def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_with_changes: bool = False) -> dict:
     """Run `config` end to end in `workdir`; returns the summary dict (also `summary.json`).
 
@@ -204,8 +173,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     is safe to resume with (its option is marked `safe`, `runs.sections`) and `resume_with_changes` is set.
     Every step compiles under `placement.kernels()` (the splash kernel split over the mesh).
     """
-    if config.algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={config.algorithm!r}; expected one of {ALGORITHMS}")
+    registry.algorithm(config)  # a registered one (the built-in five: `runs.builtin`)
     sampled = SampledEval.from_config(config.train)  # checked before any work
     if python_rewards(config.get("reward")) and config.algorithm == "ppo" and config.ppo.reward == "model":
         raise ValueError("reward.fns: PPO scores with its reward model (ppo.reward='model'); set "
@@ -250,7 +218,8 @@ def _task(config):
 
 
 def _run(config, workdir: Path, *, task, placement, sampled, stops, start, should_stop) -> dict:
-    """The phases, the summary table and the export, in a workdir this run holds."""
+    """The phases of `registry.plan(config)`, the summary table and the export, in a workdir
+    this run holds."""
     main = jax.process_index() == 0
     runlog.attach(workdir, main_process=main)  # the command line's train.log (nothing without it)
     if main:
@@ -260,93 +229,44 @@ def _run(config, workdir: Path, *, task, placement, sampled, stops, start, shoul
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters
-    adapted = validation.lora_phases(config)
     accuracy = _evaluating(make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size,
                                             placement=placement, sampled=sampled, seed=config.seed,
                                             slots=config.train.eval_slots))
-    rng = jax.random.key(config.seed)
-    run = None
+    wandb_run = None
     if config.train.wandb and main:
-        run = start_wandb(workdir, project=config.train.wandb_project, mode=config.train.wandb_mode,
-                          config=config.to_dict())
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, wandb_run=run)
-    rows, extras = [], {}
-    common = dict(model=model, task=task, workdir=workdir, writer=writer, eval_fn=accuracy, should_stop=should_stop,
-                  placement=placement)
+        wandb_run = start_wandb(workdir, project=config.train.wandb_project, mode=config.train.wandb_mode,
+                                config=config.to_dict())
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, wandb_run=wandb_run)
+    run = registry.Run(config=config, task=task, placement=placement, workdir=workdir, writer=writer,
+                       should_stop=should_stop, model=model, plain=plain, params=params, accuracy=accuracy,
+                       stops=stops, adapted=validation.lora_phases(config), folder_reward_model=folder_rm,
+                       rng=jax.random.key(config.seed))
     samples = []
-
-    def policy(phase: str, i: int) -> dict:
-        """The starting model and params of policy phase `phase` (LoRA adapters added if it trains them)."""
-        p = setup.start_adapters(model, params, fresh=phase in adapted, seed=config.seed * 1000 + i,
-                                 placement=placement)
-        return dict(common, params=p, model=model if lora.has_adapters(p) else plain)
-
     try:
-        if config.algorithm == "sft" or config.sft.steps > 0:
-            rows.append(("start", accuracy(params)))
-            params, _ = phases.sft_phase(config.sft, config.train, rng=jax.random.fold_in(rng, 1),
-                                         early_stop=_starting_from(stops, "sft", rows[-1][1]), **policy("sft", 1))
-            exits.signal_at("between_phases")  # test hook
-        rl_start = "after SFT" if config.sft.steps > 0 else "start"
-        if config.algorithm == "grpo":
-            rows.append((rl_start, accuracy(params)))
-            params, _ = phases.grpo_phase(config.grpo, config.train, rng=jax.random.fold_in(rng, 2),
-                                          early_stop=_starting_from(stops, "grpo", rows[-1][1]),
-                                          reward_model_and_params=folder_rm,
-                                          model_weight=config.reward.model_weight if folder_rm else 1.0,
-                                          **policy("grpo", 2))
-        learned_reward = config.algorithm == "reward_model" or (
-            config.algorithm == "ppo" and config.ppo.reward == "model")  # checked above
-        rm = None
-        if learned_reward:
-            # An SFT phase's adapters folded in: the base of the reward model and of PPO's roles.
-            params = setup.start_adapters(model, params, fresh=False, seed=0, placement=placement)
-            trunk = params
-            if config.reward_model.get("sft_steps", 0) > 0:  # the reward model's own, further-trained trunk
-                trunk = _reward_model_trunk(config, params, common, rng=jax.random.fold_in(rng, 6))
+        trained = None  # the last policy phase
+        for i, name in enumerate(registry.plan(config)):
+            if i:
                 exits.signal_at("between_phases")  # test hook
-                extras["reward_model_trunk"] = accuracy(trunk)
-                log.info("reward model trunk after %d more SFT steps: held-out exact match %.3f",
-                         config.reward_model.sft_steps, extras["reward_model_trunk"]["accuracy"])
-            rm_model, rm_params, rm_eval = phases.reward_model_phase(
-                config.reward_model, config.train, policy_model=model if "reward_model" in adapted else plain,
-                policy_params=params, trunk_params=trunk, task=task,
-                workdir=workdir, writer=writer, rng=jax.random.fold_in(rng, 3), should_stop=should_stop,
-                placement=placement, early_stop=stops.get("reward_model"))
-            exits.signal_at("between_phases")  # test hook
-            extras["reward_model_heldout"] = rm_eval
-            log.info("reward model held-out: %s", ", ".join(f"{k}={v:.4g}" for k, v in rm_eval.items()))
-            if {"reward_model", "ppo"} <= set(adapted):  # its frozen trunk is a copy of the actor's base:
-                rm_params = lora.trainable(rm_params)  # PPO keeps its adapters and head alone (the copy is freed)
-            rm = (rm_model, rm_params)
-        if config.algorithm == "ppo":
-            rows.append((rl_start, accuracy(params)))
-            params, _ = phases.ppo_phase(config.ppo, config.train,
-                                         reward_model_and_params=rm if folder_rm is None else folder_rm,
-                                         model_weight=config.reward.model_weight if folder_rm else None,
-                                         ensemble_reduce=config.reward_model.ensemble_reduce
-                                         if rm is not None and folder_rm is None and config.reward_model.ensemble > 1
-                                         else None,
-                                         early_stop=_starting_from(stops, "ppo", rows[-1][1]),
-                                         rng=jax.random.fold_in(rng, 4), **policy("ppo", 4))
-        if config.algorithm == "dpo":
-            rows.append((rl_start, accuracy(params)))
-            params, extras["dpo_heldout_pairs"] = phases.dpo_phase(
-                config.dpo, config.train, rng=jax.random.fold_in(rng, 5),
-                early_stop=_starting_from(stops, "dpo", rows[-1][1]),
-                **policy("dpo", 5))
-        if config.algorithm != "reward_model":
-            final, samples = accuracy(params, return_samples=config.train.show_samples)
-            rows.append((f"after {config.algorithm.upper()}", final))
+            spec = registry.PHASES[name]
+            if spec.policy:
+                run.rows.append(("start" if trained is None else f"after {trained.upper()}", accuracy(run.params)))
+                trained = name
+            spec.run(run)
+        algorithm = registry.algorithm(config)
+        if algorithm.exports == "policy":
+            final, samples = accuracy(run.params, return_samples=config.train.show_samples)
+            run.rows.append((f"after {config.algorithm.upper()}", final))
             if config.train.export:
-                host_params = placement.fetch(params)  # every process takes part in the gather
+                host_params = placement.fetch(run.params)  # every process takes part in the gather
                 if main:
                     tokenizer = task.tokenizer.to_hf() if hasattr(task.tokenizer, "to_hf") else task.tokenizer
-                    warm_started = config.algorithm != "sft" and config.sft.steps > 0
+                    # an earlier policy phase (the SFT warm start) changed the base
+                    warm_started = any(registry.PHASES[p].policy for p in registry.plan(config)[:-1])
                     with _exporting(workdir) as out:
                         _export_policy(model, host_params, out, tokenizer,
                                        base_path=None if warm_started else _absolute(config.model.path))
         elif config.train.export:
+            rm_model, rm_params = run.reward_model
             host_params = placement.fetch(rm_params)
             if main:
                 with _exporting(workdir) as out:
@@ -358,6 +278,7 @@ def _run(config, workdir: Path, *, task, placement, sampled, stops, start, shoul
                         _export_merged(rm_model, host_params, out)
     finally:
         writer.close()
+    rows, extras = run.rows, run.extras
     text = _print_summary(rows, samples, time.perf_counter() - start, show=main, sampled=sampled)
     if main:
         for name, m in extras.items():

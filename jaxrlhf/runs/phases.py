@@ -1,8 +1,10 @@
 """The phases a run is made of, each a `loop.run_phase` over one algorithm's step.
 
-`sft_phase` (the warm start of the built-in task, or a whole SFT run), `reward_model_phase`
-(Bradley–Terry on preference pairs), `dpo_phase`, `grpo_phase` and `ppo_phase`. Every phase
-checkpoints under `workdir/<name>/` and resumes from there.
+`update_phase` (one update per batch of the task's arrays: the loop of `sft_phase`, and of
+a phase a user registers, docs/extending.md), `sft_phase` (the warm start of the built-in
+task, or a whole SFT run), `grpo_phase` and `ppo_phase`; the phases on preference pairs
+are `runs.pair_phases`. Every phase checkpoints under `workdir/<name>/` and resumes from
+there. Each builds its algorithm's config from its section (`library_config`).
 
 Every phase runs on the run's `sharding.Placement` (the mesh of `config.mesh`, the rules of
 `config.rules`): its train state is born in the rules' shardings (every role: policy,
@@ -20,7 +22,6 @@ its best evaluation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -38,11 +39,10 @@ from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.monitor import METRIC_KEYS, HealthMonitor, MonitorConfig
 from jaxrlhf.rollout.sampler import SampleOutput
 from jaxrlhf.algorithms.ppo_rollout import on_actor
-from jaxrlhf.runs import policy_pairs, setup
 from jaxrlhf.runs.completions import completion_rows
 from jaxrlhf.runs.hooks import load_hooks
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
-from jaxrlhf.runs.sharding import Placement, pad_rows
+from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.stopping import EarlyStop
 from jaxrlhf.runs.held_out import host_extras
 from jaxrlhf.runs.tasks import Task
@@ -132,29 +132,48 @@ def _timed_update(step_fn, schedule):
     return step
 
 
-def sft_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-              eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None, name: str = "sft"):
-    """Masked cross-entropy on the task's SFT arrays; returns `(params, last_metrics)`.
-    `name`: the phase's checkpoint folder and metrics prefix ("reward_model_sft": the
-    reward model's own trunk, `reward_model.sft_steps`)."""
+def update_phase(name: str, cfg, train, *, arrays: dict, make_step, model, params, workdir, writer, rng,
+                 init_state=None, show=("loss",), monitor=None, placement: Placement | None = None, eval_fn=None,
+                 should_stop=None, early_stop: EarlyStop | None = None, section: str | None = None, **_):
+    """A phase of one update per batch, on `loop.run_phase` with everything around it
+    (checkpoints and resume, SIGTERM, evaluation, early stopping, the update guard, the
+    health `monitor`, metrics); returns `(params, last_metrics)`.
+
+    `cfg` is the phase's config section `section` (default `name`: `<name>.steps`,
+    `.batch_size`, `.seed`, `.optim`);
+    `arrays` the task's whole-set arrays its batches take rows of; `make_step(model, tx)`
+    returns `step(state, batch, rng) -> (state, metrics)` on a `common.TrainState` (or the
+    state `init_state(params, tx)` makes). The keyword arguments a registered phase gets
+    from `builtin.policy_args` pass through (the task among them, unused here). The step is
+    jitted for the mesh with the state donated; each process reads its own rows."""
     placement = placement or Placement.local()
+    section = section or name
+    tx, schedule = optimizer(cfg.optim, f"{section}.optim", total_steps=cfg.steps)
+    batches = _batches(arrays, cfg.batch_size, cfg.seed, placement, f"{section}.batch_size")
+    p_sh = placement.param_shardings(model)
+    make = init_state or common.TrainState.create
+    state, state_sh = placement.init_state(lambda p: make(p, tx), placement.place(params, p_sh),
+                                           params_shardings=p_sh)
+    step = _sharded_step(make_step(model, tx), placement, state_sh, cfg.batch_size)
+    state, last = run_phase(
+        _phase(name, cfg, train, show=show), workdir=workdir, state=state, step_fn=_timed_update(step, schedule),
+        batches=batches, rng=rng, writer=writer, monitor=monitor,
+        eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop, **_stopping(early_stop))
+    return state.params, last
+
+
+def sft_phase(cfg, train, *, task: Task, name: str = "sft", **kw):
+    """Masked cross-entropy on the task's SFT arrays (`update_phase`); returns `(params,
+    last_metrics)`. `name`: the phase's checkpoint folder and metrics prefix
+    ("reward_model_sft": the reward model's own trunk, `reward_model.sft_steps`); its
+    options are the `sft` section's either way."""
     if task.sft is None:
         raise ValueError(f"task {task.name!r} has no SFT examples: for files set task.kind='sft' (rows of messages, "
                          "or prompt and completion), or sft.steps=0")
-    tx, schedule = optimizer(cfg.optim, "sft.optim", total_steps=cfg.steps)
-    arrays = {k: task.sft[k] for k in sft.BATCH_KEYS}
-    batches = _batches(arrays, cfg.batch_size, cfg.seed, placement, "sft.batch_size")
-    p_sh = placement.param_shardings(model)
-    state, state_sh = placement.init_state(lambda p: sft.init_state(p, tx), placement.place(params, p_sh),
-                                           params_shardings=p_sh)
-    step = _sharded_step(sft.make_train_step(model, tx, library_config("sft", cfg, task)), placement,
-                         state_sh, cfg.batch_size)
-    state, last = run_phase(
-        _phase(name, cfg, train, show=("loss", "token_accuracy")), workdir=workdir,
-        state=state, step_fn=_timed_update(step, schedule), batches=batches,
-        rng=rng, writer=writer, eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop,
-        **_stopping(early_stop))
-    return state.params, last
+    scfg = library_config("sft", cfg, task)
+    return update_phase(name, cfg, train, arrays={k: task.sft[k] for k in sft.BATCH_KEYS},
+                        make_step=lambda model, tx: sft.make_train_step(model, tx, scfg),
+                        init_state=sft.init_state, show=("loss", "token_accuracy"), section="sft", **kw)
 
 
 def health_monitor(m, algorithm: str, *, clip: float, kl_target: float | None = None) -> HealthMonitor:
@@ -336,154 +355,6 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
     return step
 
 
-def _pair_eval(eval_step, params, pairs: dict, keys, placement: Placement, batch_size: int = 256):
-    """Held-out pair metrics, averaged over batches of up to `batch_size` pairs. A batch
-    whose rows do not split over the mesh's batch shards is padded with weight-0 rows; the
-    metrics come back replicated, the same on every process."""
-    step = jax.jit(eval_step, out_shardings=placement.replicated)
-    n = pairs["prompt_ids"].shape[0]
-    sums, count = {}, 0
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, min(start + batch_size, n))
-        batch = {k: pairs[k][idx] for k in keys}
-        rows = placement.padded_rows(len(idx))
-        if rows != len(idx):
-            batch = dict(pad_rows(batch, rows), weight=(np.arange(rows) < len(idx)).astype(np.float32))
-        m = placement.fetch(step(params, placement.put_rows(batch)))
-        for k, v in m.items():
-            if k != "weight":  # the eval steps' own batch weight, not a metric
-                sums[k] = sums.get(k, 0.0) + float(np.mean(v)) * len(idx)
-        count += len(idx)
-    return {k: v / count for k, v in sums.items()}
-
-
-def _reference_logprobs(model, params, pairs: dict, placement: Placement, batch_size: int = 64) -> dict:
-    """`dpo.precompute_reference_logprobs` on the mesh: batches of `batch_size` rounded up
-    to the batch shards, results read back on every process."""
-    fn = jax.jit(functools.partial(dpo.pair_logprobs, model), out_shardings=placement.replicated)
-    return dpo.precompute_reference_logprobs(
-        model, params, pairs, batch_size=placement.padded_rows(batch_size),
-        score_fn=lambda p, batch: placement.fetch(fn(p, placement.put_rows(batch))))
-
-
-def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, workdir, writer, rng,
-                       placement: Placement | None = None, should_stop=None,
-                       early_stop: EarlyStop | None = None, trunk_params=None):
-    """Bradley–Terry on preference pairs, starting from the policy's trunk (or from
-    `trunk_params`, the reward model's own: `reward_model.sft_steps`; the on-policy pairs
-    are the policy's samples all the same).
-
-    The pairs (`cfg.pairs`): the task's synthetic ones ("task"), the policy's own samples
-    ranked by the task's reward ("policy", `runs.policy_pairs`), or both. Returns `(model,
-    params, held-out metrics)`; the held-out `accuracy` is the fraction of the task's
-    synthetic test pairs the reward model orders correctly, `policy_pairs/accuracy` that of
-    on-policy pairs from the held-out prompts, and `policy_pairs/{train,test}_*` count the
-    on-policy pairs and the prompts they came from.
-
-    An ensemble (`cfg.ensemble` = K > 1): K members trained on the same pairs, member k
-    with its own score head and batch order from `cfg.seed + k` (checkpoints and metrics
-    under `reward_model`, then `reward_model_<k>`; `early_stop` rules member 0, a fresh
-    copy of it each other member). The params returned are the members stacked
-    (`reward_model.stack_members`); the held-out metrics are those of the ensemble's
-    `cfg.ensemble_reduce` score, each member's beside them as `member<k>/<metric>`. K = 1
-    is the single reward model, unstacked.
-
-    With LoRA in `policy_model`'s config (`setup.lora_model`) the trunk (a copy: the train
-    state is donated each step) is frozen and fresh adapters plus the score head are trained.
-    """
-    placement = placement or Placement.local()
-    pairs, held_out, stats = policy_pairs.phase_pairs(cfg, train, policy_model=policy_model,
-                                                      policy_params=policy_params, task=task, rng=rng,
-                                                      placement=placement)
-    rcfg = library_config("reward_model", cfg, task)
-    keys = dpo.PAIR_KEYS
-    size = cfg.get("ensemble", 1)
-    reduce = reward_model.check_reduce(cfg.get("ensemble_reduce", "mean")) if size > 1 else None
-
-    def evaluate(eval_step, p):
-        return {prefix + k: v for prefix, test in held_out.items()
-                for k, v in _pair_eval(eval_step, p, test, keys, placement).items()}
-
-    # Each member's own copy of the rule, taken before member 0's run records its bests in it.
-    stops = [early_stop] + [None if early_stop is None else dataclasses.replace(early_stop) for _ in range(1, size)]
-    members, member_evals = [], {}
-    for k, stop in enumerate(stops):
-        model, params = _reward_model_member(cfg, train, k, pairs=pairs, rcfg=rcfg, evaluate=evaluate,
-                                             policy_model=policy_model,
-                                             policy_params=policy_params if trunk_params is None else trunk_params,
-                                             workdir=workdir, writer=writer, rng=rng, placement=placement,
-                                             should_stop=should_stop, early_stop=stop)
-        members.append(params)
-        if size > 1:
-            member_evals.update({f"member{k}/{m}": v
-                                 for m, v in evaluate(reward_model.make_eval_step(model, rcfg), params).items()})
-    if size == 1:
-        return model, members[0], {**evaluate(reward_model.make_eval_step(model, rcfg), members[0]), **stats}
-    params = reward_model.stack_members(members)
-    del members
-    ensemble = evaluate(reward_model.make_eval_step(model, rcfg, reduce=reduce), params)
-    return model, params, {**ensemble, **member_evals, **stats}
-
-
-def _reward_model_member(cfg, train, k: int, *, pairs, rcfg, evaluate, policy_model, policy_params, workdir, writer,
-                         rng, placement: Placement, should_stop, early_stop):
-    """Member `k` of the reward-model phase (`reward_model_phase`): `(model, params)`."""
-    seed = cfg.seed + k
-    model, params = reward_model.init_from_policy(policy_model, policy_params, seed=seed)
-    params = setup.start_adapters(model, params, fresh=True, seed=seed + 1)
-    tx, schedule = optimizer(cfg.optim, "reward_model.optim", total_steps=cfg.steps)
-    batches = _batches({key: pairs[key] for key in dpo.PAIR_KEYS}, cfg.batch_size, seed, placement,
-                       "reward_model.batch_size")
-    p_sh = placement.param_shardings(model)
-    state, state_sh = placement.init_state(lambda p: reward_model.init_state(p, tx), placement.place(params, p_sh),
-                                           params_shardings=p_sh)
-    step = _sharded_step(reward_model.make_train_step(model, tx, rcfg), placement, state_sh, cfg.batch_size)
-    eval_step = reward_model.make_eval_step(model, rcfg)
-    name = "reward_model" if k == 0 else f"reward_model_{k}"
-    state, _ = run_phase(
-        _phase(name, cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
-        workdir=workdir, state=state, step_fn=_timed_update(step, schedule), batches=batches,
-        rng=rng if k == 0 else jax.random.fold_in(rng, k), writer=writer,
-        eval_fn=lambda s: evaluate(eval_step, s.params), should_stop=should_stop, **_stopping(early_stop))
-    return model, state.params
-
-
-def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, placement: Placement | None = None,
-              eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None):
-    """DPO on the task's preference pairs against the starting policy as reference (with
-    LoRA adapters in `params`: the base without them, the starting policy all the same).
-
-    Returns `(params, held-out metrics)` with the held-out `reward_accuracy` before and after.
-    """
-    placement = placement or Placement.local()
-    if task.pairs is None:
-        raise ValueError(f"task {task.name!r} has no preference pairs: set task.num_pairs > 0 (addition) or "
-                         "task.kind='pairs' (files: prompt, chosen, rejected)")
-    dcfg = library_config("dpo", cfg, task)
-    p_sh = placement.param_shardings(model)
-    params = placement.place(params, p_sh)
-    reference = lora.without_adapters(params)  # the starting policy (with LoRA: its base, the same arrays)
-    train_pairs = _reference_logprobs(model, reference, task.pairs, placement)
-    test_pairs = _reference_logprobs(model, reference, task.test_pairs, placement)
-    keys = dpo.PAIR_KEYS + dpo.REF_KEYS
-    tx, schedule = optimizer(cfg.optim, "dpo.optim", total_steps=cfg.steps)
-    batches = _batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "dpo.batch_size")
-    state, state_sh = placement.init_state(lambda p: dpo.init_state(p, tx), params, params_shardings=p_sh)
-    step = _sharded_step(dpo.make_train_step(model, tx, dcfg), placement, state_sh, cfg.batch_size)
-    eval_step = dpo.make_eval_step(model, dcfg)
-    pair_eval = lambda p: _pair_eval(eval_step, p, test_pairs, keys, placement)
-
-    def evaluate(state):
-        out = {f"pairs/{k}": v for k, v in pair_eval(state.params).items()}
-        return {**out, **(eval_fn(state.params) if eval_fn else {})}
-
-    state, _ = run_phase(
-        _phase("dpo", cfg, train, show=("loss", "reward_accuracy", "eval/accuracy")), workdir=workdir,
-        state=state, step_fn=_timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
-        eval_fn=evaluate, should_stop=should_stop, **_stopping(early_stop))
-    return state.params, pair_eval(state.params)
-
-
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
               placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None,
               model_weight: float | None = None, ensemble_reduce: str | None = None):
@@ -582,5 +453,5 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     return params, last
 
 
-__all__ = ["dpo_phase", "grpo_phase", "health_monitor", "optimizer", "ppo_phase", "reward_model_phase", "sampling",
+__all__ = ["grpo_phase", "update_phase", "health_monitor", "optimizer", "ppo_phase", "sampling",
            "library_config", "sft_phase", "with_reward_model"]

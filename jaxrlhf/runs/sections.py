@@ -25,6 +25,7 @@ from jaxrlhf.algorithms.reward_model import RewardModelConfig
 from jaxrlhf.algorithms.sft import SFTConfig
 from jaxrlhf.monitor import MonitorConfig
 from jaxrlhf.options import option
+from jaxrlhf.runs import registry
 
 _frozen = dataclasses.dataclass(frozen=True)
 PPO_REWARDS = ("model", "task")
@@ -360,7 +361,8 @@ RUN_SECTIONS = {"train": (TrainConfig,), "reward": (RewardSection,), "model": (M
 def schema(config) -> dict[str, tuple[type, ...]]:
     """`{section: its classes}` of `config` (the top level as ""), for the sections it has."""
     out = {"": (Parallel,)}
-    for name, classes in {**PHASE_SECTIONS, **RUN_SECTIONS}.items():
+    phases = {name: spec.sections for name, spec in registry.PHASES.items()}
+    for name, classes in {**PHASE_SECTIONS, **phases, **RUN_SECTIONS}.items():
         if name in config:
             out[name] = classes
     if "task" in config:

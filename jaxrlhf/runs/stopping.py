@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.runs import registry
+
 MODES = ("max", "min")
 
 
@@ -119,40 +121,20 @@ def copy_params(params: Any) -> Any:
     return jax.tree.map(jnp.copy, params)
 
 
-def run_phases(config) -> tuple[str, ...]:
-    """The phases `train_and_evaluate` runs for `config`, in order."""
-    alg = config.algorithm
-    out = ["sft"] if alg == "sft" or config.sft.steps > 0 else []
-    if alg == "grpo":
-        out.append("grpo")
-    if alg == "reward_model" or (alg == "ppo" and config.ppo.reward == "model"):
-        out.append("reward_model")
-    if alg in ("ppo", "dpo"):
-        out.append(alg)
-    return tuple(out)
+def task_metric_names(sampled=None) -> set[str]:
+    """The names (without `eval/`) of the task's held-out evaluation
+    (`held_out.make_accuracy_fn`): accuracy, reward and the sampled metrics."""
+    names = {"accuracy", "reward"}
+    if sampled is not None:
+        names |= {f"mean@{sampled.num_samples}", *(f"{m}@{k}" for m in ("pass", "maj") for k in sampled.ks)}
+    return names
 
 
 def eval_metric_names(config, phase: str, sampled=None) -> set[str]:
-    """The names (without `eval/`) a phase's periodic evaluation reports: the task's
-    held-out decode (`held_out.make_accuracy_fn`: accuracy, reward, the sampled metrics) for
-    sft / grpo / ppo; DPO adds its held-out pair metrics as `pairs/<name>`; the reward
-    model reports its held-out pair metrics only. The pair metrics' names come from the
-    loss functions (`jax.eval_shape`, nothing computed)."""
-    from jaxrlhf import ops
-
-    task = {"accuracy", "reward"}
-    if sampled is not None:
-        task |= {f"mean@{sampled.num_samples}", *(f"{m}@{k}" for m in ("pass", "maj") for k in sampled.ks)}
-    z = jax.ShapeDtypeStruct((1,), jnp.float32)
-    if phase == "reward_model":
-        _, m = jax.eval_shape(lambda c, r: ops.reward_model_loss(c, r, margin=c), z, z)
-        return {"loss", "chosen_score", "rejected_score", *m}
-    if phase == "dpo":
-        d = config.dpo
-        _, m = jax.eval_shape(lambda c, r, rc, rr: ops.dpo_loss(
-            c, r, rc, rr, beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing), z, z, z, z)
-        return task | {f"pairs/{k}" for k in ("loss", *m)}
-    return task
+    """The names (without `eval/`) phase `phase`'s periodic evaluation reports: its
+    registered `eval_metrics`, or the task's held-out metrics (`task_metric_names`)."""
+    spec = registry.PHASES[phase]
+    return task_metric_names(sampled) if spec.eval_metrics is None else spec.eval_metrics(config, sampled)
 
 
 def from_config(config, sampled=None) -> dict[str, EarlyStop]:
@@ -175,7 +157,7 @@ def from_config(config, sampled=None) -> dict[str, EarlyStop]:
     if metric.startswith("eval/"):
         raise ValueError(f"train.stop_metric={metric!r}: name the metric without the 'eval/' prefix, "
                          f"e.g. {metric[5:]!r}")
-    available = run_phases(config)
+    available = registry.plan(config)
     names = tuple(x for x in (phases or "").replace(" ", "").split(",") if x) or (config.algorithm,)
     for name in names:
         if name not in available:

@@ -7,7 +7,7 @@ that does not split over the devices fails in seconds with the key to change —
 an SFT phase has run (each phase used to check its own shapes when it started, and a
 negative `steps` ran nothing and reported success).
 
-Checked for every phase the run will execute (`stopping.run_phases`):
+Checked for every phase the run will execute (`registry.plan`):
 - the reward model's `pairs` and, for on-policy pairs, their sampling fields
   (`runs.policy_pairs.PolicyPairsConfig`), and its `ensemble_reduce`;
 - every option's type and bounds, as its dataclass field declares them (`runs.sections`,
@@ -34,9 +34,9 @@ from typing import Protocol
 
 from jaxrlhf import options
 from jaxrlhf.models import lora, quant
-from jaxrlhf.runs import phases, sections
+from jaxrlhf.runs import phases, registry, sections
+from jaxrlhf.runs.registry import plan
 from jaxrlhf.runs.policy_pairs import PolicyPairsConfig
-from jaxrlhf.runs.stopping import run_phases
 
 
 class RowChecker(Protocol):
@@ -47,14 +47,14 @@ class RowChecker(Protocol):
 
 
 def check_values(config) -> None:
-    """Every option of the sections `config` runs (the phases of `stopping.run_phases`,
+    """Every option of the sections `config` runs (the phases of `registry.plan`,
     `train`, `task`, `model`, `reward`, the top level) within its type and bounds, as its
     dataclass field declares them (`runs.sections`, `options.check_values`): a ValueError
     naming the first key that is not, e.g. `grpo.steps=-3`. Then the relations between
     options that no single field states."""
-    run = run_phases(config)
+    run = plan(config)
     for name, classes in sections.schema(config).items():
-        if name in sections.PHASE_SECTIONS and name not in run:
+        if name in registry.PHASES and name not in run:
             if name == "sft" and "steps" in config.sft:  # also when SFT does not run: -1 is not "skip"
                 options.check_value(sections.SFTRun, _field(sections.SFTRun, "steps"), config.sft.steps, "sft.steps")
             continue
@@ -84,37 +84,14 @@ def _check_pool(c) -> None:
                          f"at least grpo.prompts_per_step={c.prompts_per_step} prompts (None: no larger pool)")
 
 
-def _split(rows: int, rows_name: str, parts: dict) -> None:
-    """`rows` (described by `rows_name`) must split into the product of `parts` equal pieces."""
-    n = 1
-    for v in parts.values():
-        n *= v
-    if rows % n:
-        names = " × ".join(f"{k}={v}" for k, v in parts.items())
-        raise ValueError(f"{rows_name} = {rows} rows do not split into {names} equal parts; change one of them")
-
-
 def check_shapes(config, placement: RowChecker) -> None:
     """The batch rows of every phase `config` runs against the mesh's row shards and their
-    minibatch / microbatch splits: a ValueError naming the key to change."""
-    for phase in run_phases(config):
-        c = config[phase]
-        if phase in ("sft", "dpo", "reward_model"):
-            placement.check_rows(c.batch_size, f"{phase}.batch_size")
-            if "num_microbatches" in c:
-                _split(c.batch_size, f"{phase}.batch_size", {f"{phase}.num_microbatches": c.num_microbatches})
-        elif phase == "grpo":
-            pooled = c.dynamic_sampling and c.pool_size is not None
-            placement.check_rows(c.pool_size if pooled else c.prompts_per_step,
-                                 "grpo.pool_size" if pooled else "grpo.prompts_per_step")
-            _split(c.prompts_per_step * c.sampling.num_samples, "grpo.prompts_per_step × grpo.sampling.num_samples",
-                   {"grpo.num_minibatches": c.num_minibatches, "grpo.num_microbatches": c.num_microbatches})
-        else:  # ppo
-            placement.check_rows(c.prompts_per_step, "ppo.prompts_per_step")
-            n = c.prompts_per_step * c.sampling.num_samples
-            _split(n, "ppo.prompts_per_step × ppo.sampling.num_samples", {"ppo.num_minibatches": c.num_minibatches})
-            _split(n // c.num_minibatches, "a PPO minibatch (prompts_per_step × num_samples / num_minibatches)",
-                   {"ppo.num_microbatches": c.num_microbatches})
+    minibatch / microbatch splits (each phase's registered `check_shapes`): a ValueError
+    naming the key to change."""
+    for name in plan(config):
+        spec = registry.PHASES[name]
+        if spec.check_shapes is not None:
+            spec.check_shapes(config[name], placement)
 
 
 def lora_phases(config) -> tuple[str, ...]:
@@ -126,10 +103,10 @@ def lora_phases(config) -> tuple[str, ...]:
         quant.check_kind(section.get("quantize", "none"), rank=section.rank)
     if section is None or lora.from_section(section) is None:
         return ()
-    if "reward_model" in run_phases(config) and config.reward_model.get("sft_steps", 0) > 0:
+    if "reward_model" in plan(config) and config.reward_model.get("sft_steps", 0) > 0:
         raise ValueError(f"reward_model.sft_steps={config.reward_model.sft_steps} trains the reward model's trunk in "
                          "full, and model.lora is on: set reward_model.sft_steps=0 (or model.lora.rank=0)")
-    available = run_phases(config)
+    available = plan(config)
     names = tuple(x for x in section.phases.replace(" ", "").split(",") if x) or available
     for name in names:
         if name not in available:
@@ -145,12 +122,14 @@ def check_built(config, task) -> None:
     """Every library config the phases of `config` build from their sections, built once
     with `task`'s tokens: a ValueError naming the section and the option."""
     monitor = config.train.monitor if "train" in config else None
-    for name in run_phases(config):
+    for name in plan(config):
         section = config[name]
         for field in ("optim", "critic_optim"):
             if field in section:
                 phases.optimizer(section[field], f"{name}.{field}", total_steps=1)
-        phases.library_config(name, section, task, monitor=monitor)
+        spec = registry.PHASES[name]
+        if spec.build is not None:
+            spec.build(section, task, monitor)
         if monitor is not None and name in ("grpo", "ppo"):
             phases.health_monitor(monitor, name, clip=0.2)  # its thresholds (the clip is the phase's)
 

@@ -48,14 +48,14 @@ from typing import Iterator, NamedTuple
 import jax
 import numpy as np
 
-from jaxrlhf.runs.sections import PHASE_SECTIONS, is_safe
-from jaxrlhf.runs.stopping import run_phases
+from jaxrlhf.runs import registry
+from jaxrlhf.runs.sections import is_safe
+from jaxrlhf.runs.registry import plan
 
 log = logging.getLogger("jaxrlhf")
 
 LOCK_FILE = "run.lock"
 RECORD_FILE = "run.json"
-PHASES = tuple(PHASE_SECTIONS)  # config sections that are phases, in run order
 
 # Which keys may change when a workdir resumes (with `--resume_with_changes`) is declared
 # on each option's field (`safe`, `runs.sections`): how a run is watched, evaluated,
@@ -105,14 +105,14 @@ def _digest(identity: dict) -> str:
 def record_of(config) -> dict:
     """The record of `config` (what `run.json` holds): `identity` (the keys that decide what
     the checkpoints mean, and `phases`), its `hash`, and the `settings` that may change."""
-    phases = run_phases(config)
+    phases = plan(config)
     flat = _flat(json.loads(json.dumps(config.to_dict(), default=str)))  # JSON values, as read back
     identity, settings = {"phases": list(phases)}, {}
     for key, value in flat.items():
         section = key.split(".")[0]
-        if key == f"{section}.steps" and section in PHASES:
+        if key == f"{section}.steps" and section in registry.PHASES:
             settings[key] = value  # kept for a phase that does not run: 0 -> 4 adds it
-        elif section in PHASES and section not in phases:
+        elif section in registry.PHASES and section not in phases:
             continue  # a phase that does not run: its settings mean nothing here
         elif is_safe(config, key):
             settings[key] = value
@@ -132,7 +132,7 @@ def phase_progress(workdir: Path, phase: str) -> int:
 
 def _has_results(workdir: Path) -> bool:
     metrics = workdir / "metrics.jsonl"
-    return (any(phase_progress(workdir, p) for p in PHASES) or (workdir / "summary.json").exists()
+    return (any(phase_progress(workdir, p) for p in registry.PHASES) or (workdir / "summary.json").exists()
             or (workdir / "export").exists() or (metrics.exists() and metrics.stat().st_size > 0))
 
 
@@ -156,7 +156,8 @@ def config_changes(old: dict, new: dict, progress: dict) -> list[Change]:
     old_phases, new_phases = tuple(old["identity"]["phases"]), tuple(new["identity"]["phases"])
     moved = set(old_phases) ^ set(new_phases)  # phases added or removed
     phase_changes = []
-    for phase in sorted(moved, key=PHASES.index):
+    order = list(registry.PHASES)
+    for phase in sorted(moved, key=lambda p: order.index(p) if p in order else len(order)):
         key = f"{phase}.steps"
         what = "adds" if phase in new_phases else "removes"
         if key in old_keys and key in new_keys:
@@ -226,7 +227,7 @@ def record_config(workdir: Path, config, *, resume_with_changes: bool = False) -
         if not _has_results(workdir):
             log.info("%s: no results yet from the config recorded in %s: recording this run's", workdir, path.name)
         else:
-            progress = {p: phase_progress(workdir, p) for p in PHASES}
+            progress = {p: phase_progress(workdir, p) for p in {*registry.PHASES, *old['identity']['phases']}}
             changes = config_changes(old, new, progress)
             unsafe = [c for c in changes if not c.safe]
             if unsafe or not resume_with_changes:

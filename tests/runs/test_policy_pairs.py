@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _sampled_eval_task as T  # noqa: E402
 
 from jaxrlhf import data  # noqa: E402
-from jaxrlhf.runs import config_base, phases, policy_pairs, tasks, validation  # noqa: E402
+from jaxrlhf.runs import config_base, pair_phases, policy_pairs, tasks, validation  # noqa: E402
 from jaxrlhf.runs.metrics import MetricsWriter  # noqa: E402
 
 CFG = policy_pairs.PolicyPairsConfig(samples_per_prompt=4, temperature=1.0, num_prompts=12)
@@ -87,8 +87,8 @@ def test_reward_model_phase_trains_on_both_pair_sets(parity, tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     try:
         with pytest.raises(ValueError, match="reward_model.pairs='both' needs the task's preference pairs"):
-            phases.reward_model_phase(cfg, train, task=dataclasses.replace(task, pairs=None), writer=writer, **kw)
-        _, _, held_out = phases.reward_model_phase(cfg, train, task=task, writer=writer, **kw)
+            pair_phases.reward_model_phase(cfg, train, task=dataclasses.replace(task, pairs=None), writer=writer, **kw)
+        _, _, held_out = pair_phases.reward_model_phase(cfg, train, task=task, writer=writer, **kw)
     finally:
         writer.close()
     assert held_out["policy_pairs/train_pairs"] > 0 and held_out["policy_pairs/test_prompts"] == T.NUM_PROMPTS

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf.runs import phases, setup, validation
+from jaxrlhf.runs import pair_phases, setup, validation
 from jaxrlhf.runs.metrics import MetricsWriter
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.tasks import build_task
@@ -68,7 +68,7 @@ def test_one_member_is_the_single_reward_model(tmp_path):
         cfg.ensemble = k
         writer = MetricsWriter(tmp_path / str(k), tensorboard=False)
         try:
-            out[k] = phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params, task=task,
+            out[k] = pair_phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params, task=task,
                                                workdir=tmp_path / str(k), writer=writer, rng=jax.random.key(0))
         finally:
             writer.close()
@@ -97,7 +97,7 @@ def test_the_reward_model_starts_from_its_own_trunk(tmp_path):
     cfg.optim.update(lr=0.0, warmup_steps=0)
     writer = MetricsWriter(tmp_path, tensorboard=False)
     try:
-        _, rm_params, _ = phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params,
+        _, rm_params, _ = pair_phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params,
                                                     trunk_params=trunk, task=task, workdir=tmp_path, writer=writer,
                                                     rng=jax.random.key(0))
     finally:
@@ -153,16 +153,16 @@ def test_each_member_starts_with_a_fresh_copy_of_the_stopping_rule(tmp_path, mon
     config.train.eval_every = 1
     rule = stopping.EarlyStop("accuracy", patience=5)
     seen = []
-    member = phases._reward_model_member
+    member = pair_phases._reward_model_member
 
     def recording(*args, early_stop, **kw):
         seen.append((early_stop, early_stop.state_dict()))
         return member(*args, early_stop=early_stop, **kw)
 
-    monkeypatch.setattr(phases, "_reward_model_member", recording)
+    monkeypatch.setattr(pair_phases, "_reward_model_member", recording)
     writer = MetricsWriter(tmp_path, tensorboard=False)
     try:
-        phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params, task=task,
+        pair_phases.reward_model_phase(cfg, config.train, policy_model=model, policy_params=params, task=task,
                                   workdir=tmp_path, writer=writer, rng=jax.random.key(0), early_stop=rule)
     finally:
         writer.close()
