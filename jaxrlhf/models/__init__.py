@@ -1,6 +1,6 @@
 """Decoder models for the four RLHF roles, configured from Hugging Face checkpoints."""
 
-from jaxrlhf.models.checkpoint import (
+from jaxrlhf.models.hf_checkpoint import (
     CheckpointError,
     encode_prompt,
     load_generation_config,

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrlhf.models.config import ModelConfig, RopeScaling, UnsupportedConfigError, to_hf_dict
-from jaxrlhf.models.checkpoint import move_into_place
+from jaxrlhf.models.hf_checkpoint import move_into_place
 from jaxrlhf.models.hf_layout import hf_tensor_map
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

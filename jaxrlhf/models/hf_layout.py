@@ -1,5 +1,5 @@
 """The Hugging Face tensor ↔ parameter mapping, defined once for loading and saving
-(`jaxrlhf.models.checkpoint`). HF `nn.Linear` stores `weight` as `[out, in]`:
+(`jaxrlhf.models.hf_checkpoint`). HF `nn.Linear` stores `weight` as `[out, in]`:
 
 | HF tensor | param | conversion |
 |---|---|---|

@@ -1,6 +1,6 @@
 """LoRA adapters exported in PEFT's format: `save_peft` writes the folder that
 `peft.PeftModel.from_pretrained(base, path)` loads onto the base model's Hugging Face export
-(`models.checkpoint`), `peft_tensors` gives its tensors. The adapters themselves are
+(`models.hf_checkpoint`), `peft_tensors` gives its tensors. The adapters themselves are
 `models.lora`."""
 
 from __future__ import annotations

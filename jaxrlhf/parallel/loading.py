@@ -6,7 +6,7 @@ import os
 
 from jax.sharding import Mesh
 
-from jaxrlhf.models.checkpoint import load_pretrained
+from jaxrlhf.models.hf_checkpoint import load_pretrained
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.rules import DEFAULT_RULES, Rules, get_rules, param_shardings
 

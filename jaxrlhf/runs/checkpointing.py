@@ -37,7 +37,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrlhf import exits
-from jaxrlhf.models.checkpoint import CheckpointError
+from jaxrlhf.models.hf_checkpoint import CheckpointError
 from jaxrlhf.parallel import distributed
 
 log = logging.getLogger("jaxrlhf")

@@ -58,7 +58,7 @@ import jax
 
 from jaxrlhf import exits, reward_workers, runlog
 from jaxrlhf.models import lora, peft_export, quant, save_pretrained
-from jaxrlhf.models.checkpoint import move_into_place
+from jaxrlhf.models.hf_checkpoint import move_into_place
 from jaxrlhf.runs import builtin  # noqa: F401  (registers the five built-in algorithms)
 from jaxrlhf.runs import hooks, registry, reward_folder, setup, stopping, validation
 from jaxrlhf.runs.evaluation import SampledEval

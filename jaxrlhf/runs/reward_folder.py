@@ -51,7 +51,7 @@ def check_tokenizer(path: str, tokenizer, policy_vocab: int, raw: dict) -> None:
     """The folder's tokenizer encodes like the task's `tokenizer` (the same token-to-id
     map), or with no tokenizer files its `vocab_size` (from `raw`, its config.json) equals
     the policy's `policy_vocab` (logged as a warning: the check is weaker)."""
-    from jaxrlhf.models.checkpoint import load_tokenizer
+    from jaxrlhf.models.hf_checkpoint import load_tokenizer
 
     if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         if raw.get("vocab_size") != policy_vocab:

@@ -98,7 +98,7 @@ def test_head_overrides(hf_store, tmp_path, caplog):
     path, _ = hf_store.get("llama3")
     lm_model, lm_params = load_pretrained(path)
     ids, mask = right_padded_batch(seed=7)
-    with caplog.at_level(logging.WARNING, logger="jaxrlhf.models.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="jaxrlhf.models.hf_checkpoint"):
         rm, rm_params = load_pretrained(path, head="score", seed=5)
     assert rm.head == "score" and "lm_head" not in rm_params
     assert "score/kernel" not in caplog.text and "score.kernel" in caplog.text and "lm_head.weight" in caplog.text
@@ -365,7 +365,7 @@ def test_load_with_shardings(hf_store):
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_read_block_equals_slice_of_full_tensor(family):
     """Per-device reads (`shardings=`) see exactly `from_hf(whole)[index]` for every tensor."""
-    from jaxrlhf.models.checkpoint import _head_tensors, _trunk_tensors
+    from jaxrlhf.models.hf_checkpoint import _head_tensors, _trunk_tensors
 
     config = from_hf_config(hf_config(family))
     rng = np.random.default_rng(0)
