@@ -40,13 +40,14 @@ def option(default: Any = _UNSET, doc: str = "", *, factory=None, min=None, abov
     """A dataclass field with its doc and rules in `metadata`.
 
     `min` / `max`: inclusive bounds, `above` / `below`: exclusive ones, `choices`: the
-    allowed values (None among them when the field may be off). `safe`: the field may
+    allowed values (None among them when the field may be off), or a function returning
+    them (a registry's names, read when a value is checked). `safe`: the field may
     change when a workdir resumes (how a run is watched, evaluated, saved or placed, not
     what its checkpoints hold); on a nested section's field every key below it is safe.
     `cli=False`: set by the run, not part of a config section. `factory`: a default made
     per instance (a nested config)."""
     meta = dict(doc=" ".join(doc.split()), min=min, above=above, max=max, below=below,
-                choices=None if choices is None else tuple(choices), safe=safe, cli=cli)
+                choices=choices if choices is None or callable(choices) else tuple(choices), safe=safe, cli=cli)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -90,11 +91,17 @@ def _type_error(tp, value) -> str | None:
     return None
 
 
+def choices(field: dataclasses.Field) -> tuple | None:
+    """The values `field` allows (None: any of its type)."""
+    c = field.metadata.get("choices")
+    return tuple(c()) if callable(c) else c
+
+
 def describe_rule(field: dataclasses.Field) -> str:
     """The field's bounds in words ("> 0", "in [0, 1]", "one of 'k1', 'k2', 'k3'"), or ""."""
     m = field.metadata
-    if m.get("choices") is not None:
-        return "one of " + ", ".join(repr(c) for c in m["choices"])
+    if choices(field) is not None:
+        return "one of " + ", ".join(repr(c) for c in choices(field))
     low = f"[{m['min']}" if m.get("min") is not None else (f"({m['above']}" if m.get("above") is not None else None)
     high = f"{m['max']}]" if m.get("max") is not None else (f"{m['below']})" if m.get("below") is not None else None)
     if low and high:
@@ -122,13 +129,14 @@ def check_value(cls, field: dataclasses.Field, value, key: str) -> None:
     if want:
         raise ValueError(f"{key}={value!r} is impossible: it must be {want}")
     m = field.metadata
-    bad = (m.get("choices") is not None and value not in m["choices"]) or (
+    allowed = choices(field)
+    bad = (allowed is not None and value not in allowed) or (
         m.get("min") is not None and not value >= m["min"]) or (
         m.get("above") is not None and not value > m["above"]) or (
         m.get("max") is not None and not value <= m["max"]) or (
         m.get("below") is not None and not value < m["below"])
     if bad:
-        off = " (or None: off)" if _allows_none(tp) and None not in (m.get("choices") or ()) else ""
+        off = " (or None: off)" if _allows_none(tp) and None not in (allowed or ()) else ""
         raise ValueError(f"{key}={value!r} is impossible: it must be {describe_rule(field)}{off}")
 
 
@@ -268,5 +276,5 @@ def check_values(classes, section, prefix: str = "") -> None:
         check_value(entry.cls, entry.field, node, prefix + entry.key)
 
 
-__all__ = ["Entry", "build", "check", "check_value", "check_values", "describe_rule", "nested", "option", "section",
+__all__ = ["Entry", "build", "check", "check_value", "check_values", "choices", "describe_rule", "nested", "option", "section",
            "values", "walk"]

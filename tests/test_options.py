@@ -36,9 +36,9 @@ BASE = {"grpo": {"beta": 0.1}}  # kl_target (changed below) adapts a β > 0
 def _changed(entry: options.Entry):
     """A value other than the default that the field's rules allow."""
     f, default = entry.field, entry.default
-    choices = f.metadata.get("choices")
-    if choices:
-        return next(c for c in choices if c != default)
+    allowed = options.choices(f)
+    if allowed:
+        return next(c for c in allowed if c != default)
     tp = options._base_type(options._hints(entry.cls)[f.name])
     if tp is bool:
         return not default
@@ -106,7 +106,7 @@ def test_bounds_come_from_the_fields(phase):
             bad = m["min"] - 1
         elif m.get("above") is not None:
             bad = m["above"]
-        elif m.get("choices"):
+        elif options.choices(entry.field):
             bad = "no-such-choice"
         if bad is None:
             continue

@@ -43,7 +43,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import common, guide, kl_controller, kl_terms, scoring, timing
+from jaxrlhf.algorithms import advantages, common, guide, kl_controller, kl_terms, scoring, timing
 from jaxrlhf.algorithms.experience import sample_responses, score_responses
 from jaxrlhf.algorithms.grpo_config import ADVANTAGES, RATIO_LEVELS, GRPOConfig, preset
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
@@ -145,25 +145,17 @@ def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Ar
                        scored: jax.Array | None = None) -> jax.Array:
     """Per-token advantages `[N, T]` from sequence scores `[N]` (groups contiguous).
 
-    Group methods: `ops.group_advantages(scores, G, method, eps=cfg.adv_eps, mask=scored)`
-    broadcast to the valid tokens; "reinforce_pp": `ops.whiten` of the broadcast scores over
-    the batch. `scored` `[N]` bool (None: all): the rows that have a score; the others get 0
+    `cfg.advantage` names the estimator (`algorithms.advantages`): the group methods
+    `ops.group_advantages(scores, G, method, eps=cfg.adv_eps, mask=scored)` broadcast to the
+    valid tokens; "reinforce_pp": `ops.whiten` of the broadcast scores over the batch; or a
+    registered one. `scored` `[N]` bool (None: all): the rows that have a score; the others get 0
     and are left out of every baseline (`Reward.scored`).
     """
     scores = jnp.asarray(scores, jnp.float32)
     if scores.ndim != 1 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"compute_advantages: scores must be [N] with N = response_mask.shape[0] = "
                          f"{response_mask.shape[0]}, got {scores.shape}")
-    g = cfg.group_size
-    if scored is not None:
-        response_mask = response_mask * jnp.asarray(scored, response_mask.dtype)[:, None]
-    if cfg.advantage == "reinforce_pp":
-        return ops.whiten(ops.broadcast_sequence(scores, response_mask), response_mask)
-    if scores.shape[0] % g:
-        raise ValueError(f"compute_advantages: {scores.shape[0]} responses do not split into groups of "
-                         f"G = sampling.num_samples = {g}; the batch must hold whole groups")
-    adv = ops.group_advantages(scores, g, method=cfg.advantage, eps=cfg.adv_eps, mask=scored)
-    return ops.broadcast_sequence(adv, response_mask)
+    return advantages.estimate(cfg.advantage, scores, response_mask, cfg, scored)
 
 
 # --------------------------------------------------------------------------- loss

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrlhf import ops
-from jaxrlhf.algorithms import kl_controller, kl_terms
+from jaxrlhf.algorithms import advantages, kl_controller, kl_terms
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.options import check, option
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+ADVANTAGES = advantages.names()  # the built-in four; `advantages.register_advantage` adds more
 RATIO_LEVELS = ("token", "sequence")
 
 
@@ -23,8 +23,9 @@ class GRPOConfig:
 
     sampling: SamplingConfig = option(doc="how responses are drawn; `sampling.num_samples` is the group size G",
                                       factory=lambda: SamplingConfig(num_samples=8))
-    advantage: str = option("grpo", "'grpo' (group z-score), 'dr_grpo' (no std division), 'rloo' (leave-one-out) "
-                            "or 'reinforce_pp' (global whitening)", choices=ADVANTAGES)
+    advantage: str = option("grpo", "the advantage estimator (`algorithms.advantages`): 'grpo' (group z-score), "
+                            "'dr_grpo' (no std division), 'rloo' (leave-one-out), 'reinforce_pp' (global "
+                            "whitening), or one registered with register_advantage", choices=advantages.names)
     adv_eps: float = option(1e-6, "ε of 'grpo' advantages (s − mean)/(std + ε) (TRL uses 1e-4)", min=0)
     beta: float = option(0.0, "β, the weight of the KL to the reference; 0 needs no reference model", min=0)
     track_kl: bool = option(False, "with β = 0, still keep the reference model and report `kl` without putting it "
@@ -79,7 +80,7 @@ class GRPOConfig:
             fail(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         check(self)
         g = self.sampling.num_samples
-        if self.advantage != "reinforce_pp" and g < 2:
+        if self.advantage in advantages.GROUPED and g < 2:
             fail(f"advantage {self.advantage!r} compares responses within a group: sampling.num_samples "
                  f"(G) must be >= 2, got {g}")
         if self.dynamic_sampling and g < 2:

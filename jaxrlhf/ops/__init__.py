@@ -18,6 +18,7 @@ vocabularies too large for `[B, T, V]`.
 """
 
 from jaxrlhf.ops._advantages import (
+    GROUP_METHODS,
     GAEOutput,
     broadcast_sequence,
     gae,
@@ -53,6 +54,7 @@ __all__ = [
     "gae",
     "whiten",
     "group_advantages",
+    "GROUP_METHODS",
     "broadcast_sequence",
     # losses and aggregation
     "AGGREGATE_MODES",

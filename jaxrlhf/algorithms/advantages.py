@@ -1,0 +1,70 @@
+"""The GRPO family's advantage estimators by name: `GRPOConfig.advantage` picks one.
+
+An estimator is `fn(scores_N, response_mask_NxT, cfg, scored_N) -> advantages_NxT`: the
+sequence scores `[N]` (groups of `cfg.group_size` contiguous), the valid response tokens,
+the `GRPOConfig`, and the rows that have a score (`[N]` bool, or None: all); a row without
+a score gets 0 everywhere. The built-in four (formulas: docs/concepts.md#grpo-and-its-variants-dr-grpo-dapo):
+
+- "grpo", "dr_grpo", "rloo": `ops.group_advantages` per group, broadcast to the tokens;
+- "reinforce_pp": `ops.whiten` of the broadcast scores over the batch (REINFORCE++).
+
+A new one is one `register_advantage("name", fn)` call (its formula an `ops` function),
+then `--config.grpo.advantage=name`: docs/extending.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf import ops
+
+Estimator = Callable[[jax.Array, jax.Array, "object", "jax.Array | None"], jax.Array]
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+GROUPED: set[str] = set()  # the estimators that compare responses within a group (G >= 2)
+
+
+def register_advantage(name: str, fn: Estimator, *, grouped: bool = True) -> None:
+    """Make `fn` the estimator `GRPOConfig(advantage=name)` uses. `grouped`: it compares the
+    responses of a group, so it needs G = `sampling.num_samples` >= 2."""
+    ADVANTAGE_ESTIMATORS[name] = fn
+    (GROUPED.add if grouped else GROUPED.discard)(name)
+
+
+def names() -> tuple[str, ...]:
+    """The registered estimators' names (the choices of `GRPOConfig.advantage`)."""
+    return tuple(ADVANTAGE_ESTIMATORS)
+
+
+def _group_method(method: str) -> Estimator:
+    def estimate(scores, response_mask, cfg, scored):
+        g = cfg.group_size
+        if scores.shape[0] % g:
+            raise ValueError(f"compute_advantages: {scores.shape[0]} responses do not split into groups of "
+                             f"G = sampling.num_samples = {g}; the batch must hold whole groups")
+        adv = ops.group_advantages(scores, g, method=method, eps=cfg.adv_eps, mask=scored)
+        return ops.broadcast_sequence(adv, response_mask)
+    return estimate
+
+
+def _reinforce_pp(scores, response_mask, cfg, scored):
+    return ops.whiten(ops.broadcast_sequence(scores, response_mask), response_mask)
+
+
+for _method in ops.GROUP_METHODS:
+    register_advantage(_method, _group_method(_method))
+register_advantage("reinforce_pp", _reinforce_pp, grouped=False)
+
+
+def estimate(name: str, scores, response_mask, cfg, scored=None) -> jax.Array:
+    """The advantages `[N, T]` of estimator `name`, rows without a score zeroed first."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage={name!r}; expected one of {names()} (register_advantage adds one)")
+    if scored is not None:
+        response_mask = response_mask * jnp.asarray(scored, response_mask.dtype)[:, None]
+    return ADVANTAGE_ESTIMATORS[name](scores, response_mask, cfg, scored)
+
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "GROUPED", "estimate", "names", "register_advantage"]
