@@ -202,7 +202,8 @@ def section(*classes, **overrides) -> mlc.ConfigDict:
     """The config section of `classes` (their fields merged, `cli=False` ones left out):
     each field's default, a nested config's default instance as a sub-section, a None
     default as a typed placeholder (so `--config.x=0.3` parses as the field's type).
-    `overrides` change defaults (a dict for a sub-section); an unknown key is an error."""
+    `overrides` change defaults (a dict, or an instance, for a sub-section); an unknown key
+    is an error."""
     return _section(classes, overrides, instances=(None,) * len(classes))
 
 
@@ -215,8 +216,10 @@ def _section(classes, overrides: dict, instances) -> mlc.ConfigDict:
             names.add(f.name)
             value = getattr(inst, f.name) if inst is not None else _field_default(f)
             sub = nested(cls, f.name)
-            if sub is not None:
-                given = overrides.pop(f.name, {}) if f.name in overrides else {}
+            if sub is not None:  # its overrides: a dict of them, or an instance of the nested class
+                given = overrides.pop(f.name, {})
+                if dataclasses.is_dataclass(given):
+                    value, given = given, {}
                 out[f.name] = _section((sub,), dict(given), instances=(value,))
             elif f.name in overrides:
                 new = overrides.pop(f.name)
