@@ -9,7 +9,7 @@ negative `steps` ran nothing and reported success).
 
 Checked for every phase the run will execute (`registry.plan`):
 - the reward model's `pairs` and, for on-policy pairs, their sampling fields
-  (`runs.policy_pairs.PolicyPairsConfig`), and its `ensemble_reduce`;
+  (`runs.policy_pairs.PolicyPairsConfig`);
 - every option's type and bounds, as its dataclass field declares them (`runs.sections`,
   `jaxrlhf.options`: `grpo.num_minibatches=0 is impossible: it must be >= 1`);
 - the global batch rows each phase hands to the mesh (`sft.batch_size`,
@@ -23,7 +23,7 @@ to be positive.
 
 `check_built(config, task)`, once the task is built (still before the workdir is claimed),
 builds every library config the run's phases will build (`GRPOConfig`, `PPOConfig`, their
-optimizers, the monitor, ...), so that a relation between options only the class checks
+optimizers, ...: each phase's registered `build`), so that a relation between options only the class checks
 (`grpo.kl_target` needs `grpo.beta` > 0) fails there too.
 """
 
@@ -33,6 +33,7 @@ import dataclasses
 from typing import Protocol
 
 from jaxrlhf import options
+from jaxrlhf.algorithms.common import OptimConfig
 from jaxrlhf.models import lora, quant
 from jaxrlhf.runs import phases, registry, sections
 from jaxrlhf.runs.registry import plan
@@ -123,15 +124,12 @@ def check_built(config, task) -> None:
     with `task`'s tokens: a ValueError naming the section and the option."""
     monitor = config.train.monitor if "train" in config else None
     for name in plan(config):
-        section = config[name]
-        for field in ("optim", "critic_optim"):
-            if field in section:
-                phases.optimizer(section[field], f"{name}.{field}", total_steps=1)
-        spec = registry.PHASES[name]
+        spec, section = registry.PHASES[name], config[name]
+        for entry in options.walk(*spec.sections):  # its optimizers (`optim`, PPO's `critic_optim`)
+            if options.nested(entry.cls, entry.field.name) is OptimConfig:
+                phases.optimizer(section[entry.key], f"{name}.{entry.key}", total_steps=1)
         if spec.build is not None:
             spec.build(section, task, monitor)
-        if monitor is not None and name in ("grpo", "ppo"):
-            phases.health_monitor(monitor, name, clip=0.2)  # its thresholds (the clip is the phase's)
 
 
 def check_config(config, placement: RowChecker) -> None:
