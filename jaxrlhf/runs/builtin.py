@@ -17,6 +17,7 @@ Each phase's RNG stream is the number it always had (sft 1, grpo 2, reward_model
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -184,8 +185,19 @@ GRPO = Phase("grpo", sections.PHASE_SECTIONS["grpo"], _run_grpo, stream=2, check
 REWARD_MODEL = Phase("reward_model", sections.PHASE_SECTIONS["reward_model"], _run_reward_model, stream=3,
                      policy=False, check_shapes=batch_shapes("reward_model"), eval_metrics=_reward_model_metrics,
                      build=_builder("reward_model"))
-PPO = Phase("ppo", sections.PHASE_SECTIONS["ppo"], _run_ppo, stream=4, check_shapes=_ppo_shapes,
-            build=_builder("ppo"))
+def _build_ppo(section, task, monitor):
+    """PPO's config, and its critic's folder: a checkpoint (`config.json`) of a separate critic."""
+    path = section.get("critic_path")
+    if path is not None:
+        if section.critic == "shared":
+            raise ValueError(f"ppo.critic_path={path!r} is the separate critic's checkpoint, and ppo.critic='shared' "
+                             "puts the value head on the actor: set one of them")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"ppo.critic_path={path!r}: no Hugging Face checkpoint folder there (no config.json)")
+    return phases.library_config("ppo", section, task, monitor=monitor)
+
+
+PPO = Phase("ppo", sections.PHASE_SECTIONS["ppo"], _run_ppo, stream=4, check_shapes=_ppo_shapes, build=_build_ppo)
 DPO = Phase("dpo", sections.PHASE_SECTIONS["dpo"], _run_dpo, stream=5, check_shapes=batch_shapes("dpo"),
             eval_metrics=_dpo_metrics, build=_builder("dpo"))
 

@@ -35,7 +35,9 @@ from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import common, dpo, grpo, ppo, reward_model, scoring, sft, timing
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import lora
+from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.parallel.loading import load_pretrained_sharded
 from jaxrlhf.monitor import METRIC_KEYS, HealthMonitor, MonitorConfig
 from jaxrlhf.rollout.sampler import SampleOutput
 from jaxrlhf.algorithms.ppo_rollout import on_actor
@@ -355,6 +357,22 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
     return step
 
 
+def load_critic(path: str, policy: Transformer, *, seed: int, placement: Placement):
+    """PPO's critic from the checkpoint folder `path` (`ppo.critic_path`) as a "score"
+    model in the policy's dtypes and runtime options, read straight into the mesh's
+    shardings (a causal LM gets a fresh score head drawn with `seed`). Its vocabulary must
+    hold every token id of the policy's."""
+    c = policy.config
+    model, params = load_pretrained_sharded(path, placement.mesh, placement.rules, on_indivisible="replicate",
+                                            head="score", dtype=c.dtype, param_dtype=c.param_dtype, seed=seed,
+                                            **{f: getattr(c, f) for f in RUNTIME_FIELDS})
+    if model.config.vocab_size < c.vocab_size:
+        raise ValueError(f"ppo.critic_path={path}: its vocab_size {model.config.vocab_size} is smaller than the "
+                         f"policy's {c.vocab_size}; the critic reads the policy's token ids")
+    log.info("PPO critic from %s: %d layers, hidden size %d", path, model.config.num_layers, model.config.hidden_size)
+    return model, params
+
+
 def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
               placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None,
               model_weight: float | None = None, ensemble_reduce: str | None = None):
@@ -406,6 +424,9 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
         actor_model = Transformer(model.config, head="lm_value")
         d = model.config.hidden_size
         params = dict(params, value_head={"kernel": jnp.zeros((d, 1), jnp.dtype(model.config.param_dtype))})
+    elif cfg.get("critic_path"):  # its own trunk, of any size (not with LoRA: `validation.lora_phases`)
+        critic_model, critic_params = load_critic(cfg.critic_path, model, seed=cfg.seed + 1, placement=placement)
+        tx_critic, _ = optimizer(cfg.critic_optim, "ppo.critic_optim", total_steps=updates)
     else:
         critic_model, critic_params = reward_model.init_from_policy(
             model, lora.without_adapters(params), seed=cfg.seed + 1, copy=not adapted)

@@ -70,6 +70,10 @@ class PPORun:
     optim: OptimConfig = option(doc="the actor's optimizer (epochs × minibatches steps per iteration)",
                                 factory=OptimConfig)
     critic_optim: OptimConfig = option(doc="the separate critic's optimizer", factory=OptimConfig)
+    critic_path: str | None = option(None, "a local Hugging Face checkpoint folder the separate critic starts from "
+                                     "(any size; its tokenizer must be the policy's): a *ForSequenceClassification "
+                                     "folder keeps its score head, a causal LM gets a fresh one; None: a copy of the "
+                                     "policy's trunk with a fresh score head")
 
 
 @_frozen

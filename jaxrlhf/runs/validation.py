@@ -113,6 +113,10 @@ def lora_phases(config) -> tuple[str, ...]:
         if name not in available:
             raise ValueError(f"model.lora.phases={section.phases!r}: {name!r} is not a phase of this run; its "
                              f"phases are {', '.join(available)}")
+    if "ppo" in names and config.ppo.get("critic_path"):
+        raise ValueError(f"ppo.critic_path={config.ppo.critic_path!r}: a critic from a checkpoint has a trunk of its "
+                         "own, and model.lora trains PPO's critic as adapters on the actor's base; set "
+                         "ppo.critic_path=None or leave ppo out of model.lora.phases")
     if "reward_model" in names and config.reward_model.get("ensemble", 1) > 1:
         raise ValueError(f"reward_model.ensemble={config.reward_model.ensemble}: an ensemble of LoRA reward models "
                          "is not supported; set reward_model.ensemble=1 or leave reward_model out of model.lora.phases")
