@@ -23,11 +23,14 @@ class GRPOConfig:
 
     sampling: SamplingConfig = option(doc="how responses are drawn; `sampling.num_samples` is the group size G",
                                       factory=lambda: SamplingConfig(num_samples=8))
-    advantage: str = option("grpo", "the advantage estimator (`algorithms.advantages`): 'grpo' (group z-score), "
-                            "'dr_grpo' (no std division), 'rloo' (leave-one-out), 'reinforce_pp' (global "
-                            "whitening), or one registered with register_advantage", choices=advantages.names)
+    advantage: str = option("grpo", "the advantage estimator (`algorithms.advantages`): 'grpo' (group z-score "
+                            "(s − mean_g)/(std_g + adv_eps)), 'dr_grpo' (no std division: s − mean_g), 'rloo' "
+                            "(leave-one-out: s_i less the mean of the group's others), 'reinforce_pp' (`ops.whiten` "
+                            "of the scores broadcast to tokens over the batch: no group baseline, G may be 1), or "
+                            "one registered with register_advantage", choices=advantages.names)
     adv_eps: float = option(1e-6, "ε of 'grpo' advantages (s − mean)/(std + ε) (TRL uses 1e-4)", min=0)
-    beta: float = option(0.0, "β, the weight of the KL to the reference; 0 needs no reference model", min=0)
+    beta: float = option(0.0, "β, the weight of the KL to the reference; 0 (and no track_kl) needs no reference "
+                         "model: ref_logp is never computed", min=0)
     track_kl: bool = option(False, "with β = 0, still keep the reference model and report `kl` without putting it "
                             "in the loss (one more forward pass per step): the health monitor's drift check then "
                             "works for unregularised runs too; on whenever train.monitor.kl_target is set")
@@ -41,7 +44,8 @@ class GRPOConfig:
     clip_low: float = option(0.2, "ε_low of the clipped ratio", above=0)
     clip_high: float | None = option(None, "ε_high of the clipped ratio (DAPO's clip-higher: > clip_low); None: "
                                      "clip_low", above=0)
-    dual_clip: float | None = option(None, "c > 1 bounds the loss of negative-advantage tokens; None: off", above=1)
+    dual_clip: float | None = option(None, "c > 1 bounds the loss of negative-advantage tokens by −c·A; None: off",
+                                     above=1)
     agg: str = option("token-mean", "how per-token losses become one number (`ops.aggregate`)",
                       choices=ops.AGGREGATE_MODES)
     norm_len: int | None = option(None, "L of agg='seq-mean-token-sum-norm'; None: sampling.max_new_tokens",
@@ -49,18 +53,21 @@ class GRPOConfig:
     entropy_coef: float = option(0.0, "c_ent of the entropy bonus − c_ent·agg(entropy)", min=0)
     num_iterations: int = option(1, "μ, passes over each rollout batch (μ > 1 reuses the rollout's old "
                                  "log-probs, so the ratio moves away from 1 after the first minibatch)", min=1)
-    num_minibatches: int = option(1, "optimizer steps per pass (shuffled minibatches)", min=1)
-    num_microbatches: int = option(1, "gradient-accumulation chunks per minibatch (the same result as one)", min=1)
-    ratio_level: str = option("token", "'token' (PPO/GRPO) or 'sequence' (GSPO)", choices=RATIO_LEVELS)
+    num_minibatches: int = option(1, "optimizer steps per pass (rows shuffled each pass)", min=1)
+    num_microbatches: int = option(1, "gradient-accumulation chunks per minibatch (the same result as one chunk for "
+                                   "every agg, `common.accumulation_scale`)", min=1)
+    ratio_level: str = option("token", "'token' (PPO/GRPO) or 'sequence' (GSPO: s_i = exp(mean_t(logp − "
+                              "old_logp)) on every token of response i, clipped)", choices=RATIO_LEVELS)
     dynamic_sampling: bool = option(False, "zero the advantages of groups whose scores are all equal and keep "
                                     "`prompts_per_step` groups with signal from an oversampled pool "
                                     "(grpo.pool_size)")
     prompts_per_step: int | None = option(None, "groups in the update batch under dynamic sampling (the iteration "
                                           "is then given a pool of at least this many prompts); None keeps every "
                                           "prompt", min=1, cli=False)
-    overlong_max_len: int | None = option(None, "DAPO's soft overlong penalty: the length in tokens past which "
-                                          "the penalty is whole (`overlong_penalty`); None: off", min=1)
-    overlong_cache: int = option(0, "the penalty's ramp in tokens, below overlong_max_len", min=0)
+    overlong_max_len: int | None = option(None, "DAPO's soft overlong penalty: the length L_max in tokens past "
+                                          "which the penalty is whole, −1 (`overlong_penalty`); None: off", min=1)
+    overlong_cache: int = option(0, "the penalty's ramp L_cache in tokens, below overlong_max_len: 0 up to "
+                                 "L_max − L_cache, then ((L_max − L_cache) − len)/L_cache", min=0)
     overlong_coef: float = option(1.0, "the weight of that penalty, added to the score before advantages", min=0)
     share_prompt: bool = option(True, "run each group's prompt once in the scoring and training forward passes, its "
                                 "G responses on the prompt's keys and values: the same numbers up to float "

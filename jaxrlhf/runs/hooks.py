@@ -272,7 +272,7 @@ def check_hooks(spec: str) -> None:
 
 
 def load_hooks(spec: str) -> tuple[UserHook, ...]:
-    """The hooks of `spec`, "pkg.mod:Hook,other.mod:make_hook" (`train.hooks`; "" = none):
+    """The hooks of `spec`, "pkg.mod:Hook,other.mod:make_hook" (`train.hooks`; None = none):
     each module imported, its attribute taken, and a class or function called with no
     arguments (an object with hook methods is taken as it is). A bad entry is a one-line
     ValueError naming `train.hooks` and the entry."""

@@ -90,21 +90,27 @@ class RewardModelRun:
     batch_size: int = option(32, "preference pairs per step", min=1)
     seed: int = _seed()
     optim: OptimConfig = option(doc="the optimizer", factory=OptimConfig)
-    pairs: str = option("task", "'task' (the task's synthetic pairs), 'policy' (the policy's own samples ranked by "
-                        "the task's reward, `runs.policy_pairs`) or 'both'", choices=PAIR_SOURCES)
-    samples_per_prompt: int = option(0, "k samples per prompt for on-policy pairs (>= 2; 0: no on-policy pairs, "
-                                     "with pairs='task' only); the held-out prompts' pairs are then evaluated too "
-                                     "(eval/policy_pairs/accuracy)", min=0)
+    pairs: str = option("task", "the training pairs: 'task' (the task's synthetic pairs), 'policy' (the policy's "
+                        "own samples ranked by the task's reward, `runs.policy_pairs`) or 'both' (the two sets "
+                        "together)", choices=PAIR_SOURCES)
+    samples_per_prompt: int = option(0, "k samples per prompt from the policy after SFT (also when the reward model "
+                                     "has a trunk of its own, sft_steps) for on-policy pairs (>= 2; 0: no on-policy "
+                                     "pairs, with pairs='task' only); the held-out prompts' pairs are then evaluated "
+                                     "too (eval/policy_pairs/accuracy): with pairs='task' and k > 0 only those are "
+                                     "drawn, to measure the synthetic reward model on them", min=0)
     temperature: float = option(1.0, "the temperature of those samples", above=0)
-    num_prompts: int = option(0, "the first this many training prompts are sampled (0: all of them)", min=0)
+    num_prompts: int = option(0, "the first this many training prompts are sampled (0: all of them); held-out "
+                              "prompts never are", min=0)
     ensemble: int = option(1, "K reward models trained alike on the same pairs (member k's head and batch order "
-                           "from seed + k)", min=1)
+                           "from seed + k; phases reward_model, reward_model_1, ..., each checkpointed and resumed on "
+                           "its own); 1: the single reward model. Not with LoRA reward models", min=1)
     ensemble_reduce: str = option("mean", "PPO's reward from the members' scores: 'mean', or 'min' (the "
-                                  "conservative one); their disagreement is reward/reward_model_std",
-                                  choices=ENSEMBLE_REDUCE)
+                                  "conservative one, Coste et al. 2023); their disagreement is "
+                                  "reward/reward_model_std", choices=ENSEMBLE_REDUCE)
     sft_steps: int = option(0, "extra SFT steps (the sft section's batch size and optimizer, a fresh schedule, "
                             "batch order from sft.seed + 1) on the reward model's own copy of the policy's trunk "
-                            "before it learns from pairs (0: the policy's trunk as it is)", min=0)
+                            "before it learns from pairs, as phase reward_model_sft; the policy is not changed (0: "
+                            "the policy's trunk as it is). Not with model.lora", min=0)
 
 
 # A phase's section: its run options and its algorithm's config, in the order a run runs them.
@@ -142,24 +148,32 @@ class TrainConfig:
                           "workdir/export", safe=True)
     eval_batch_size: int = option(512, "sequences per evaluation batch (a sampled batch holds eval_batch_size // n "
                                   "prompts)", min=1, safe=True)
-    eval_samples: int = option(0, "n > 0: also sample n responses per held-out prompt at eval_temperature and "
-                               "report mean@n, pass@k and maj@k", min=0, safe=True)
-    eval_k: str = option("1,4,8", "the k of pass@k and maj@k, comma-separated, each in [1, eval_samples]",
-                         safe=True)
-    eval_temperature: float = option(1.0, "the temperature of the sampled evaluation", above=0, safe=True)
+    eval_samples: int = option(0, "n > 0: also sample n responses per held-out prompt at eval_temperature at "
+                               "every evaluation and report mean@n, pass@k and maj@k; 0: greedy only", min=0,
+                               safe=True)
+    eval_k: str = option("1,4,8", "the k of pass@k and maj@k, comma-separated, each in [1, eval_samples] (else an "
+                         "error naming the field)", safe=True)
+    eval_temperature: float = option(1.0, "the temperature τ of the sampled evaluation (no top-k / top-p)", above=0,
+                                     safe=True)
     eval_slots: int = option(0, "S > 0 decodes each evaluation batch by continuous batching over S slots (the "
                              "same tokens, faster where lengths spread); 0: one static batch", min=0, safe=True)
-    stop_metric: str | None = option(None, "an evaluation metric to stop on, without the eval/ prefix ('accuracy', "
-                                     "'pass@4'); None: no early stopping (needs eval_every > 0)")
-    stop_mode: str = option("max", "'max' (higher is better) or 'min'", choices=("max", "min"))
+    stop_metric: str | None = option(None, "an evaluation metric to stop on, without the eval/ prefix: 'accuracy', "
+                                     "'reward', with sampled evaluation 'pass@4' etc.; DPO also "
+                                     "'pairs/reward_accuracy' etc.; the reward-model phase its held-out pair "
+                                     "metrics ('accuracy' there is pair accuracy). Needs eval_every > 0; None: no "
+                                     "early stopping")
+    stop_mode: str = option("max", "'max' (higher is better) or 'min' (lower is better: a loss)",
+                            choices=("max", "min"))
     stop_patience: int = option(0, "end the phase (as finished) after this many evaluations in a row without a "
-                                "new best (0: never; the best is still recorded)", min=0)
-    stop_min_delta: float = option(0.0, "an evaluation is a new best when it beats the best by more than this",
-                                   min=0)
-    keep_best: bool = option(False, "end the phase with the parameters of its best evaluation, not the last ones "
-                             "(one more device copy of the policy; each checkpoint holds it too)")
+                                "new best (0: never; the best is still recorded, and kept with keep_best)", min=0)
+    stop_min_delta: float = option(0.0, "an evaluation is a new best when it beats the best by more than this (a "
+                                   "tie is not, so the earlier step is kept; a NaN never is)", min=0)
+    keep_best: bool = option(False, "end the phase with the parameters of its best evaluation, not the last ones: "
+                             "the next phase, the summary's 'after' row and export/ use them (one more device copy "
+                             "of the policy; each checkpoint holds it too)")
     stop_phases: str | None = option(None, "the phases the rule applies to, comma-separated ('sft,ppo'); None: the "
-                                     "run's own phase (config.algorithm)")
+                                     "run's own phase (config.algorithm), which leaves the SFT warm start (it "
+                                     "evaluates too) and PPO's reward model alone")
     max_param_norm_change: float | None = option(1.0, "after every update the new state must be finite and the "
                                                  "trained parameters' global norm may change by at most this "
                                                  "fraction (1.0: may not double, nor drop to 0, in one update), "
@@ -200,7 +214,8 @@ class RewardSection:
                                    "runs long, and a call past it is abandoned (the worker killed); None: no limit, "
                                    "the functions run in the run's own process", above=0, safe=True)
     on_timeout: str = option("error", "'error' (stop the run naming the function) or 'zero' (score that batch 0 "
-                             "for that function, warn, count it in reward/<name>/timeouts)",
+                             "for that function, warn naming it, count it in reward/<name>/timeouts: 1 in a step whose call "
+                             "timed out)",
                              choices=("error", "zero"), safe=True)
     max_abs_score: float | None = option(1e6, "a score above this in absolute value is an error naming the function "
                                          "and the row; None: finite is enough", above=0, safe=True)
@@ -215,17 +230,22 @@ class LoRASection:
     """LoRA adapters (`models.lora`) in every phase: SFT, GRPO, DPO, PPO's actor and critic,
     the reward model; a policy's reference is then the base without them."""
 
-    rank: int = option(0, "0: off (all weights trained); r > 0: only rank-r adapters are (and a critic's or reward "
-                       "model's new head), the rest frozen", min=0)
-    alpha: float = option(16.0, "the scale alpha / r (alpha / sqrt(r) with rslora)", above=0)
+    rank: int = option(0, "0: off (all weights trained); r > 0: only rank-r adapters A [in, r], B [r, out] are "
+                       "(and a critic's or reward model's new head), the rest frozen", min=0)
+    alpha: float = option(16.0, "the scale's numerator: s = alpha / r (alpha / sqrt(r) with rslora)", above=0)
     targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                          "comma-separated regexes searched in the projection paths ('self_attn/q_proj', ..., "
-                          "'lm_head' when untied)")
+                          "comma-separated regexes, each searched in the projection paths 'self_attn/q_proj', "
+                          "'self_attn/k_proj', 'self_attn/v_proj', 'self_attn/o_proj', 'mlp/gate_proj', "
+                          "'mlp/up_proj', 'mlp/down_proj' and (untied heads only) 'lm_head'; each pattern must match "
+                          "one, and every layer gets the same adapters ('q_proj,v_proj', 'self_attn', "
+                          "'proj|lm_head')")
     rslora: bool = option(False, "rank-stabilised scaling alpha / sqrt(r)")
     dropout: float = option(0.0, "p of the adapters' input in training losses only (PEFT's lora_dropout)", min=0,
                             below=1)
-    phases: str = option("", "the phases that train adapters, comma-separated ('': all; 'grpo': the SFT warm start "
-                         "trains all weights); each starts with fresh ones, those of the phase before merged")
+    phases: str = option("", "the phases that train adapters, comma-separated ('': all; 'grpo' or "
+                         "'reward_model,ppo': the SFT warm start trains all weights); each starts with fresh ones, "
+                         "those of the phase before merged, so its reference is the policy it starts from, as "
+                         "without LoRA")
     quantize: str = option("none", "QLoRA: the frozen base's layer projections stored quantised from the first "
                            "adapter phase on (`models.quant`)", choices=("none", "int8", "nf4"))
 
@@ -262,7 +282,8 @@ class Parallel:
     """The top level's device mesh and sharding rules (`runs.sharding`)."""
 
     mesh: str = option("data=-1", "a `parallel.make_mesh` spec over all devices of all processes: 'data=-1' (the "
-                       "batch split over every device, parameters replicated), 'fsdp=4,tensor=2', ...", safe=True)
+                       "batch split over every device, parameters replicated), 'fsdp=4,tensor=2', 'data=2,fsdp=4', "
+                       "'fsdp=-1', ...", safe=True)
     rules: str = option("fsdp_tp", "the sharding rules of every role's parameters, a preset of "
                         "`parallel.PRESETS`: 'fsdp_tp', 'fsdp' or 'replicated'", safe=True)
 
