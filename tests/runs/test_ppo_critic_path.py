@@ -39,7 +39,8 @@ def _critic_folder(path: Path, head: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("head", ["lm", "score"])
+# the classifier folder's run is heavy: the causal LM's covers the same path but the head
+@pytest.mark.parametrize("head", ["lm", pytest.param("score", marks=pytest.mark.heavy)])
 def test_a_critic_of_another_size_from_a_folder_trains(tmp_path, caplog, head):
     folder = _critic_folder(tmp_path / "critic", head)
     with caplog.at_level(logging.INFO, logger="jaxrlhf"):
