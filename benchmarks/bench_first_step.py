@@ -213,7 +213,7 @@ def worker_jax(ckpt: str, steps: int, options: dict, grpo_options: dict | None =
         prompt_ids=rows, prompt_width=width, target_id=target,
         first_step=dict(reward_mean=float(first["reward/mean"]), grad_norm=float(first["grad_norm"]),
                         response_length_mean=float(first["response_length/mean"]),
-                        kl=float(first["kl"]) if "kl" in first else None),
+                        kl=float(first["kl/mean"]) if "kl/mean" in first else None),
         last_reward_mean=float(jax.device_get(history[-1]["reward/mean"])) if history else None,
         versions=dict(jax=jax.__version__), backend=jax.default_backend(),
         note="one jitted program per step (rollout + reward + advantages + ref/KL + update, state donated)")

@@ -102,8 +102,8 @@ def run_jaxrlhf(prompts: np.ndarray, epochs: int, warmup: int, repeats: int) -> 
         t = _common.timed(one, warmup=max(warmup - 1, 0), repeats=repeats)
     m = {k: float(v) for k, v in jax.device_get(box["metrics"]).items()}
     t.update(watch.result(), impl="jaxrlhf", epochs=epochs, first_call_s=first,
-             last_metrics={k: m[k] for k in ("score_mean", "kl_k1", "clipfrac", "approx_kl", "value_loss",
-                                            "response_length_mean", "first_ratio_max", "finite")})
+             last_metrics={k: m[k] for k in ("reward/mean", "kl/k1", "clipfrac", "approx_kl", "value_loss",
+                                            "response_length/mean", "first/ratio_max", "finite")})
     return t
 
 

@@ -8,7 +8,7 @@ own trunk: a copy of the SFT trunk trained 2,400 more SFT steps (`reward_model.s
 that trunk, trained on the SFT policy's own right and wrong answers ranked by the task's
 rule (`reward_model.pairs="policy"`, 8 samples per training prompt, InstructGPT's recipe)
 at lr 1e-4 for 1,000 steps; then PPO with a critic on the policy's trunk (lr 1e-5, KL
-coefficient 0.5). The run reports the reward-model score (`score_mean`) beside the true
+coefficient 0.5). The run reports the reward-model score (`reward/mean`) beside the true
 held-out exact match (`eval/accuracy`). The guard (`train.stop_metric="accuracy"`,
 `keep_best`): PPO ends with the policy of its best held-out evaluation, the SFT point
 included, so it never ends below where it began.

@@ -31,8 +31,10 @@ strings that start with their code in brackets:
 Any NaN/Inf among the metrics (or `finite == False`) raises `NonFiniteError`: the train
 loop must catch it before writing a checkpoint (and stop, or restore the last good one).
 A check whose metric is absent from the dict is skipped (GRPO has no critic, no value
-loss). Each algorithm names its metrics its own way; `MonitorConfig.for_algorithm("grpo")`
-(or "ppo") reads that algorithm's names (`METRIC_KEYS`), so that every check can fire.
+loss). PPO and GRPO share one metric scheme (docs/concepts.md#metric-names), so the
+checks read the same names in both, except the KL and the sampler gap, which each
+measures its own way; `MonitorConfig.for_algorithm("grpo")` (or "ppo") reads that
+algorithm's (`METRIC_KEYS`), so that every check can fire.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class MonitorConfig:
                                      "None); None: no KL check. For GRPO with β = 0 a target keeps the reference "
                                      "model to measure the KL (grpo.track_kl)", above=0)
     kl_factor: float = option(3.0, "how far past kl_target the KL may go before a warning", above=0)
-    kl_key: str = option("kl_seq", "the KL metric (PPO: nats per response, what the controller targets)", cli=False)
+    kl_key: str = option("kl/seq", "the KL metric (PPO: nats per response, what the controller targets)", cli=False)
     clipfrac_max: float = option(0.3, "warn when the clip fraction stays above this (0.1–0.2 is usual)", min=0)
     clipfrac_patience: int = option(5, "for this many steps in a row (repeated every as many more)", min=1)
     clip: float = option(0.2, "the clip ε, scaling the first-minibatch ratio bound", above=0, cli=False)
@@ -91,12 +93,12 @@ class MonitorConfig:
     length_growth: float = option(0.5, "warn when over the window the mean response length grew by more than this "
                                   "fraction while the reward rose", min=0)
     reward_rise: float = option(0.0, "the score must rise by more than this (absolute) too (0: any rise)", min=0)
-    score_key: str = option("score_mean", "the score metric of the length-hacking check", cli=False)
-    length_key: str = option("response_length_mean", "the length metric of the length-hacking check", cli=False)
+    score_key: str = option("reward/mean", "the score metric of the length-hacking check", cli=False)
+    length_key: str = option("response_length/mean", "the length metric of the length-hacking check", cli=False)
     clipfrac_key: str = option("clipfrac", "the clip-fraction metric", cli=False)
-    first_ratio_max_key: str = option("first_ratio_max", "the first minibatch's largest ratio", cli=False)
-    first_ratio_min_key: str = option("first_ratio_min", "the first minibatch's smallest ratio", cli=False)
-    first_approx_kl_key: str = option("first_approx_kl", "the first minibatch's approx_kl", cli=False)
+    first_ratio_max_key: str = option("first/ratio_max", "the first minibatch's largest ratio", cli=False)
+    first_ratio_min_key: str = option("first/ratio_min", "the first minibatch's smallest ratio", cli=False)
+    first_approx_kl_key: str = option("first/approx_kl", "the first minibatch's approx_kl", cli=False)
     sampler_logp_key: str = option("sampler_logp_diff_max", "the sampler/trainer log-prob gap", cli=False)
     value_loss_key: str = option("value_loss", "the value loss", cli=False)
 
@@ -111,18 +113,16 @@ class MonitorConfig:
         check(self)
 
 
-# The metric each check reads, by algorithm: PPO's KL is nats per response (what its
+# The metrics whose names differ by algorithm (every other check reads `MonitorConfig`'s
+# default, the same name in both): PPO's KL is nats per response (`kl/seq`, what its
 # adaptive controller targets), GRPO's the per-token mean of its estimator against the
-# reference (emitted when β > 0 or `track_kl`).
+# reference (`kl/mean`, emitted when β > 0 or `track_kl`); PPO's sampler gap is taken at
+# the rollout against the trainer's old log-probs (`sampler_logp_diff_max`), GRPO's
+# against the policy of each update step, so it includes the update's own drift
+# (`logp_mismatch`).
 METRIC_KEYS = {
-    "ppo": dict(kl_key="kl_seq", score_key="score_mean", length_key="response_length_mean",
-                clipfrac_key="clipfrac", first_ratio_max_key="first_ratio_max",
-                first_ratio_min_key="first_ratio_min", first_approx_kl_key="first_approx_kl",
-                sampler_logp_key="sampler_logp_diff_max", value_loss_key="value_loss"),
-    "grpo": dict(kl_key="kl", score_key="reward/mean", length_key="response_length/mean",
-                 clipfrac_key="clipfrac", first_ratio_max_key="first/ratio_max",
-                 first_ratio_min_key="first/ratio_min", first_approx_kl_key="first/approx_kl",
-                 sampler_logp_key="logp_mismatch", value_loss_key="value_loss"),
+    "ppo": dict(kl_key="kl/seq", sampler_logp_key="sampler_logp_diff_max"),
+    "grpo": dict(kl_key="kl/mean", sampler_logp_key="logp_mismatch"),
 }
 
 

@@ -11,9 +11,10 @@ from jaxrlhf.monitor import HealthMonitor, MonitorConfig, NonFiniteError
 
 
 def healthy(i, rng=np.random.default_rng(0)):
-    return dict(kl_seq=2.0 + 0.1 * rng.standard_normal(), clipfrac=0.1, first_ratio_max=1.0, first_ratio_min=1.0,
-                first_approx_kl=0.0, sampler_logp_diff_max=1e-6, value_loss=1.0 + 0.1 * rng.standard_normal(),
-                score_mean=0.01 * i, response_length_mean=50.0 + 0.1 * i, finite=True)
+    return {"kl/seq": 2.0 + 0.1 * rng.standard_normal(), "clipfrac": 0.1, "first/ratio_max": 1.0,
+            "first/ratio_min": 1.0, "first/approx_kl": 0.0, "sampler_logp_diff_max": 1e-6,
+            "value_loss": 1.0 + 0.1 * rng.standard_normal(), "reward/mean": 0.01 * i,
+            "response_length/mean": 50.0 + 0.1 * i, "finite": True}
 
 
 def run(stream, **cfg):
@@ -30,7 +31,7 @@ def test_healthy_run_has_no_warnings():
 
 
 def test_kl_far_past_target():
-    stream = [dict(healthy(i), kl_seq=2.0 * 1.2 ** i) for i in range(20)]  # 2 → 64
+    stream = [dict(healthy(i), **{"kl/seq": 2.0 * 1.2 ** i}) for i in range(20)]  # 2 → 64
     warnings = run(stream, kl_target=3.0)
     assert codes(warnings) == {"[kl]"}
     # first warning where 2·1.2^i > 9 (3 × target 3): i = 9 (2·1.2^9 ≈ 10.3; 2·1.2^8 ≈ 8.6)
@@ -49,16 +50,16 @@ def test_clipfrac_high_for_many_steps():
     assert run(flicker, clipfrac_patience=5) == []
 
 
-@pytest.mark.parametrize("bad", [dict(first_ratio_max=3.5), dict(first_ratio_min=0.2),
-                                 dict(first_approx_kl=0.05)])
+@pytest.mark.parametrize("bad", [{"first/ratio_max": 3.5}, {"first/ratio_min": 0.2},
+                                 {"first/approx_kl": 0.05}])
 def test_ratio_far_outside_clip_range_at_first_minibatch(bad):
     stream = [healthy(0), dict(healthy(1), **bad)]
     warnings = run(stream, clip=0.2)
     assert codes(warnings) == {"[first_ratio]"} and warnings[0].startswith("[first_ratio] step 1")
     # a ratio of 2.5 *later* in the epochs is normal: only the first minibatch is checked
-    assert run([dict(healthy(0), ratio_max=2.5, first_ratio_max=1.0)]) == []
+    assert run([dict(healthy(0), ratio_max=2.5, **{"first/ratio_max": 1.0})]) == []
     # ratio 1.5 at the first minibatch is inside [1/3, 3] for ε = 0.2
-    assert run([dict(healthy(0), first_ratio_max=1.5, first_ratio_min=0.7)]) == []
+    assert run([dict(healthy(0), **{"first/ratio_max": 1.5, "first/ratio_min": 0.7})]) == []
 
 
 def test_sampler_logp_mismatch():
@@ -77,18 +78,18 @@ def test_value_loss_exploding():
 
 def test_length_hacking():
     # reward and length both climb: 50 → 95 tokens over 10 steps
-    stream = [dict(healthy(i), score_mean=0.1 * i, response_length_mean=50.0 + 5.0 * i) for i in range(10)]
+    stream = [dict(healthy(i), **{"reward/mean": 0.1 * i, "response_length/mean": 50.0 + 5.0 * i}) for i in range(10)]
     warnings = run(stream, length_window=10, length_growth=0.5)
     # first third mean length 55, last third 90 (+64 % > 50 %), reward 0.1 → 0.8
     assert codes(warnings) == {"[length_hacking]"} and warnings[0].startswith("[length_hacking] step 9")
     # length grows but the reward falls: not length hacking
-    falling = [dict(s, score_mean=-0.1 * i) for i, s in enumerate(stream)]
+    falling = [dict(s, **{"reward/mean": -0.1 * i}) for i, s in enumerate(stream)]
     assert run(falling, length_window=10) == []
     # reward rises, length roughly constant: fine
-    assert run([dict(healthy(i), score_mean=0.1 * i) for i in range(30)]) == []
+    assert run([dict(healthy(i), **{"reward/mean": 0.1 * i}) for i in range(30)]) == []
 
 
-@pytest.mark.parametrize("key,value", [("policy_loss", math.nan), ("kl_seq", math.inf), ("finite", False),
+@pytest.mark.parametrize("key,value", [("policy_loss", math.nan), ("kl/seq", math.inf), ("finite", False),
                                        ("grad_norm", np.float32("nan"))])
 def test_non_finite_raises_before_checkpoint(key, value):
     mon = HealthMonitor()
@@ -103,13 +104,13 @@ def test_non_finite_raises_before_checkpoint(key, value):
 
 def test_warnings_are_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxrlhf.monitor"):
-        HealthMonitor().check(dict(healthy(0), first_approx_kl=1.0))
+        HealthMonitor().check(dict(healthy(0), **{"first/approx_kl": 1.0}))
     assert any("[first_ratio]" in r.message for r in caplog.records)
 
 
 def test_missing_metrics_and_non_scalars_are_skipped():
     mon = HealthMonitor(MonitorConfig(kl_target=1.0))
-    assert mon.check({"score_mean": 1.0, "note": "grpo", "hist": np.zeros(3)}) == []
+    assert mon.check({"reward/mean": 1.0, "note": "grpo", "hist": np.zeros(3)}) == []
 
 
 def test_config_validation():
@@ -121,13 +122,15 @@ def test_config_validation():
 
 def test_each_algorithm_names_its_metrics():
     """`for_algorithm` reads each algorithm's own metric names: the PPO stream of every
-    check, renamed to GRPO's names, triggers the same warnings under the GRPO keys, and none
-    under PPO's (whose names it no longer carries)."""
+    check, renamed to GRPO's names (the KL and the sampler gap; every other metric is named
+    alike), triggers the same warnings under the GRPO keys, and under PPO's only the checks
+    of the shared names."""
     from jaxrlhf.monitor import METRIC_KEYS
 
     rename = {METRIC_KEYS["ppo"][k]: METRIC_KEYS["grpo"][k] for k in METRIC_KEYS["ppo"]}
-    broken = [dict(healthy(i), kl_seq=20.0, clipfrac=0.5, first_ratio_max=5.0, sampler_logp_diff_max=3.0,
-                   value_loss=1.0 if i < 6 else 100.0, score_mean=0.1 * i, response_length_mean=50.0 * 1.2 ** i)
+    broken = [dict(healthy(i), **{"kl/seq": 20.0, "clipfrac": 0.5, "first/ratio_max": 5.0,
+                                  "sampler_logp_diff_max": 3.0, "value_loss": 1.0 if i < 6 else 100.0,
+                                  "reward/mean": 0.1 * i, "response_length/mean": 50.0 * 1.2 ** i})
               for i in range(12)]
     ppo_codes = codes(run(broken, **METRIC_KEYS["ppo"], kl_target=3.0))
     assert ppo_codes == {"[kl]", "[clipfrac]", "[first_ratio]", "[sampler_logp]", "[value_loss]", "[length_hacking]"}
@@ -135,6 +138,7 @@ def test_each_algorithm_names_its_metrics():
     mon = HealthMonitor(MonitorConfig.for_algorithm("grpo", kl_target=3.0))
     assert codes([w for i, m in enumerate(grpo_stream) for w in mon.check(m, i)]) == ppo_codes
     # under PPO's names only the checks whose metric both algorithms name alike still fire
-    assert codes(run(grpo_stream, kl_target=3.0)) == {"[clipfrac]", "[value_loss]"}
+    assert rename == {"kl/seq": "kl/mean", "sampler_logp_diff_max": "logp_mismatch"}
+    assert codes(run(grpo_stream, kl_target=3.0)) == {"[clipfrac]", "[first_ratio]", "[value_loss]", "[length_hacking]"}
     with pytest.raises(ValueError, match="expected one of"):
         MonitorConfig.for_algorithm("sft")

@@ -205,8 +205,8 @@ def loss_fn(
     token-mean NLL of the failed prompts' reference completions, over `guide_tokens` (the
     minibatch's guide tokens) when given.
 
-    Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `pg_loss`, `clipfrac`,
-    `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl` when the batch has reference
+    Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `policy_loss`, `clipfrac`,
+    `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl/mean` when the batch has reference
     log-probs (β > 0 or `track_kl`), `logp_mismatch`
     (max |logp − sampler_logp|) when the batch has sampler log-probs, `guide/nll` with
     guide rows.
@@ -222,7 +222,7 @@ def loss_fn(
     pg_loss, pg = ops.policy_loss(ratio_logp, old_logp, batch.advantages, mask, clip_low=cfg.clip_low,
                                   clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **agg)
     loss = pg_loss
-    metrics = dict(pg, pg_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
+    metrics = dict(pg, policy_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
     if cfg.beta > 0 and batch.ref_logp is None:
         raise ValueError("GRPO loss: beta > 0 needs ref_logp (a reference model)")
     if batch.ref_logp is not None:
@@ -230,7 +230,7 @@ def loss_fn(
         if cfg.beta > 0 and cfg.kl_in == "loss":
             beta = cfg.beta if beta is None else beta
             loss = loss + kl_terms.loss_term(kl_BxT, mask, beta, agg=cfg.agg, norm_len=cfg.loss_norm_len)
-        metrics["kl"] = ops.masked_mean(jax.lax.stop_gradient(kl_BxT), mask)
+        metrics["kl/mean"] = ops.masked_mean(jax.lax.stop_gradient(kl_BxT), mask)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.loss_norm_len)
     if batch.sampler_logp is not None:
@@ -382,7 +382,7 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         if cfg.kl_in == "reward" and cfg.beta > 0:
             shaped = kl_terms.sequence_reward(shaped, kl_NxT, mask, beta)
         kl_N = kl_terms.sequence_kl(kl_NxT, mask)
-        metrics["kl_seq"] = jnp.mean(kl_N)
+        metrics["kl/seq"] = jnp.mean(kl_N)
         kl_N = kl_N if cfg.kl_config.adaptive else None
     if scored is not None:
         metrics["reward/dropped"] = jnp.sum(~scored)
@@ -393,7 +393,7 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1)  # n = K·G always
     var = ops.masked_var(adv, mask)
     metrics.update({"advantage/mean": ops.masked_mean(adv, mask), "advantage/std": jnp.sqrt(var),
-                    "zero_adv_group_fraction": jnp.mean(zero_group.astype(jnp.float32))})
+                    "advantage/zero_group_fraction": jnp.mean(zero_group.astype(jnp.float32))})
     guide_ids = guide_mask = None
     if cfg.guide_coef > 0:
         failed_K = guide.failed_groups(total, g, below=cfg.guide_below)

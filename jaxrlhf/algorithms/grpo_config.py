@@ -31,8 +31,8 @@ class GRPOConfig:
     adv_eps: float = option(1e-6, "ε of 'grpo' advantages (s − mean)/(std + ε) (TRL uses 1e-4)", min=0)
     beta: float = option(0.0, "β, the weight of the KL to the reference; 0 (and no track_kl) needs no reference "
                          "model: ref_logp is never computed", min=0)
-    track_kl: bool = option(False, "with β = 0, still keep the reference model and report `kl` without putting it "
-                            "in the loss (one more forward pass per step): the health monitor's drift check then "
+    track_kl: bool = option(False, "with β = 0, still keep the reference model and report `kl/mean` without putting "
+                            "it in the loss (one more forward pass per step): the health monitor's drift check then "
                             "works for unregularised runs too; on whenever train.monitor.kl_target is set")
     kl_estimator: str = option("k3", "the per-token KL estimator: 'k3' (the GRPO choice), 'k1' or 'k2'",
                                choices=ops.KL_ESTIMATORS)

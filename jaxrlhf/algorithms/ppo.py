@@ -181,7 +181,7 @@ def update(
     Each epoch draws a fresh permutation of the N rows. A minibatch whose gradients (or
     loss) are not finite is skipped: params and optimizer state stay as they were, and the
     metric `finite` turns False. Metrics are means over minibatches, except `ratio_min/max`
-    (min/max) and `first_*` (the first minibatch of the first epoch, where the ratio must
+    (min/max) and `first/*` (the first minibatch of the first epoch, where the ratio must
     be 1: a mismatch means old log-probs do not match the trainer's forward pass).
     """
     n = batch.response_mask.shape[0]
@@ -217,7 +217,7 @@ def update(
 
     (actor, critic), per_step = minibatch_scan(step, (state.actor, state.critic), batch, rng,
                                                passes=cfg.num_ppo_epochs, minibatches=m)
-    metrics = summarize_steps(per_step, skipped="skipped_updates", first={f"first_{key}": key for key in _FIRST})
+    metrics = summarize_steps(per_step, skipped="skipped_steps", first={f"first/{key}": key for key in _FIRST})
     return state.replace(actor=actor, critic=critic), metrics
 
 
@@ -282,7 +282,7 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     batch = Batch(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=mask,
                   old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns,
                   ref_logp=roll.ref_logp if cfg.kl_in == "loss" else None)
-    kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl_seq"], n_rows, cfg=cfg.kl_config)
+    kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl/seq"], n_rows, cfg=cfg.kl_config)
     metrics["beta_next"] = kl_ctl.beta
     finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()]))
     return Scored(batch, stats, kl_ctl, finite), metrics

@@ -55,9 +55,9 @@ def ppo_loss(
     loss = pg + cfg.vf_coef * vl
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * entropy
-    metrics = dict(loss=loss, policy_loss=pg, value_loss=vl, entropy=entropy, clipfrac=pm["clipfrac"],
-                   approx_kl=pm["approx_kl"], ratio_mean=pm["ratio_mean"], ratio_min=pm["ratio_min"],
-                   ratio_max=pm["ratio_max"], value_clipfrac=vm["clipfrac"], value_mean=vm["value_mean"])
+    metrics = {"loss": loss, "policy_loss": pg, "value_loss": vl, "entropy": entropy, "clipfrac": pm["clipfrac"],
+               "approx_kl": pm["approx_kl"], "ratio_mean": pm["ratio_mean"], "ratio_min": pm["ratio_min"],
+               "ratio_max": pm["ratio_max"], "value/clipfrac": vm["clipfrac"], "value/pred_mean": vm["value_mean"]}
     if cfg.kl_in == "loss":
         kl_loss = kl_terms.loss_term(ops.kl(logp, batch.ref_logp, estimator=cfg.kl_estimator), mask, beta,
                                      agg=cfg.agg, norm_len=cfg.norm_len)
@@ -67,7 +67,7 @@ def ppo_loss(
 
 
 _LOSS_METRICS = ("loss", "policy_loss", "value_loss", "entropy", "kl_loss")
-_TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value_clipfrac", "value_mean")
+_TOKEN_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "value/clipfrac", "value/pred_mean")
 
 
 def loss_fn(params, batch: Batch, *, actor_model, critic_model, cfg, total_tokens, total_seqs, beta=0.0,

@@ -215,22 +215,22 @@ def rollout_metrics(roll: Rollout, adv: Advantages, raw_scores, scores, beta, cf
     mask = roll.response_mask if scored is None else roll.response_mask & scored[:, None]
     k1 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k1")
     k3 = ops.kl(roll.old_logp, roll.ref_logp, estimator="k3")
-    out = dict(
-        score_mean=jnp.mean(raw_scores, where=scored), score_std=jnp.std(raw_scores, where=scored),
-        score_processed_mean=jnp.mean(scores, where=scored),
-        shaped_reward_mean=jnp.mean(jnp.sum(adv.rewards, axis=1), where=scored),
-        kl_k1=ops.masked_mean(k1, mask), kl_k3=ops.masked_mean(k3, mask),
-        kl_seq=jnp.mean(jnp.sum(adv.kl, axis=1), where=scored),  # nats per response, the controller's input
-        beta=jnp.asarray(beta, jnp.float32),
-        response_length_mean=jnp.mean(length), response_length_max=jnp.max(length),
-        advantage_mean=ops.masked_mean(adv.raw_advantages, mask),
-        advantage_std=jnp.sqrt(ops.masked_var(adv.raw_advantages, mask)),
-        returns_mean=ops.masked_mean(adv.returns, mask),
-        values_mean=ops.masked_mean(roll.values, mask),
-        sampler_logp_diff_max=jnp.max(jnp.where(mask, jnp.abs(roll.sampler_logp - roll.old_logp), 0.0)),
-        num_tokens=jnp.sum(mask, dtype=jnp.float32),
+    out = {
+        "reward/mean": jnp.mean(raw_scores, where=scored), "reward/std": jnp.std(raw_scores, where=scored),
+        "reward/processed_mean": jnp.mean(scores, where=scored),
+        "reward/shaped_mean": jnp.mean(jnp.sum(adv.rewards, axis=1), where=scored),
+        "kl/k1": ops.masked_mean(k1, mask), "kl/k3": ops.masked_mean(k3, mask),
+        "kl/seq": jnp.mean(jnp.sum(adv.kl, axis=1), where=scored),  # nats per response, the controller's input
+        "beta": jnp.asarray(beta, jnp.float32),
+        "response_length/mean": jnp.mean(length), "response_length/max": jnp.max(length),
+        "advantage/mean": ops.masked_mean(adv.raw_advantages, mask),
+        "advantage/std": jnp.sqrt(ops.masked_var(adv.raw_advantages, mask)),
+        "returns/mean": ops.masked_mean(adv.returns, mask),
+        "value/mean": ops.masked_mean(roll.values, mask),
+        "sampler_logp_diff_max": jnp.max(jnp.where(mask, jnp.abs(roll.sampler_logp - roll.old_logp), 0.0)),
+        "num_tokens": jnp.sum(mask, dtype=jnp.float32),
         **roll.reward_metrics,
-    )
+    }
     if cfg.sampling.eos_id is not None:
         has_eos = finished(roll.response_ids, roll.response_mask, cfg.sampling.eos_id)
         out["eos_frac"] = jnp.mean(has_eos.astype(jnp.float32))

@@ -236,7 +236,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
                                              with_advantage=not gcfg.dynamic_sampling))
     monitor = health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
-        _phase("grpo", cfg, train, show=("reward/mean", "kl", "response_length/mean", "eval/accuracy",
+        _phase("grpo", cfg, train, show=("reward/mean", "kl/mean", "response_length/mean", "eval/accuracy",
                                           timing.TOKENS_PER_S)),
         workdir=workdir, state=state, step_fn=step, batches=batches,
         rng=rng, writer=writer, monitor=monitor, eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None,
@@ -385,7 +385,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     components, e.g. the JSONL task's answer check or Python rewards of the `reward`
     section, are scored on each process's responses in between, as in GRPO. The held-out
     exact-match accuracy (the true reward, `eval/accuracy`)
-    is logged beside the score the policy optimises (`score_mean`): with a learned reward
+    is logged beside the score the policy optimises (`reward/mean`): with a learned reward
     model, the score going up is not the same as getting better.
 
     On the mesh, each role's fields of the state take that model's shardings: actor and
@@ -461,7 +461,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
         return eval_fn(state.actor.params) if eval_fn else {}
 
     state, last = run_phase(
-        _phase("ppo", cfg, train, show=("score_mean", "kl_k1", "eval/accuracy", timing.TOKENS_PER_S)), workdir=workdir, state=state,
+        _phase("ppo", cfg, train, show=("reward/mean", "kl/k1", "eval/accuracy", timing.TOKENS_PER_S)), workdir=workdir, state=state,
         step_fn=step,
         batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),

@@ -174,7 +174,7 @@ def test_guidance_teaches_what_the_policy_never_samples():
     references' NLL falls and the policy starts sampling them. Under dynamic sampling (the
     references follow the kept groups)."""
     _, hist = _run(_cfg(guide_coef=1.0, dynamic_sampling=True), EXTRAS, 30, lr=1e-2)
-    assert float(hist[0]["guide/failed_fraction"]) == 1.0 and float(hist[0]["zero_adv_group_fraction"]) == 1.0
+    assert float(hist[0]["guide/failed_fraction"]) == 1.0 and float(hist[0]["advantage/zero_group_fraction"]) == 1.0
     first, last = float(hist[0]["guide/nll"]), float(hist[-1]["guide/nll"])
     assert last < 0.3 * first, (first, last)
     assert float(hist[-1]["reward/mean"]) > 0.3, [float(m["reward/mean"]) for m in hist]

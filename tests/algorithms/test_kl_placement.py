@@ -80,7 +80,7 @@ def test_grpo_kl_in_the_reward_enters_the_group_advantage(estimator):
     adv = (shaped - shaped.mean(1, keepdims=True)) / (shaped.std(1, ddof=1, keepdims=True) + 1e-6)
     want = np.where(mask, adv.reshape(-1)[:, None], 0.0)
     np.testing.assert_allclose(np.asarray(batch.advantages), want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(float(metrics["kl_seq"]), kl_seq.mean(), rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["kl/seq"]), kl_seq.mean(), rtol=1e-4)
     plain = (scores.reshape(-1, G) - scores.reshape(-1, G).mean(1, keepdims=True)) / (
         scores.reshape(-1, G).std(1, ddof=1, keepdims=True) + 1e-6)
     assert np.abs(adv - plain).max() > 0.05  # the KL moved the advantages

@@ -278,10 +278,10 @@ def test_shaping_and_gae_inside_the_step_equal_ops_by_hand(params):
     np.testing.assert_allclose(batch.returns, ret, atol=5e-5)
     np.testing.assert_allclose(batch.advantages, ops.whiten(adv, mask), atol=2e-4)
     assert batch.ref_logp is None  # kl_in="reward": the KL is in the advantages
-    np.testing.assert_allclose(metrics["score_mean"], raw.mean(), atol=1e-5)
-    np.testing.assert_allclose(metrics["advantage_mean"], ops.masked_mean(adv, mask), atol=5e-5)
-    np.testing.assert_allclose(metrics["kl_k3"], ops.masked_mean(kl, mask), atol=1e-5)
-    assert float(metrics["kl_k3"]) > 0
+    np.testing.assert_allclose(metrics["reward/mean"], raw.mean(), atol=1e-5)
+    np.testing.assert_allclose(metrics["advantage/mean"], ops.masked_mean(adv, mask), atol=5e-5)
+    np.testing.assert_allclose(metrics["kl/k3"], ops.masked_mean(kl, mask), atol=1e-5)
+    assert float(metrics["kl/k3"]) > 0
 
 
 def _update_batch(seed, advantages=None):
@@ -318,7 +318,7 @@ def test_non_finite_gradients_skip_the_update(params):
     cfg = _update_cfg(1)
     state = ppo.init_state(cfg, SHARED, params["shared"], TX)
     new, m = _update(cfg, SHARED, None, TX)(state, batch, jax.random.key(0))
-    assert not bool(m["finite"]) and int(m["skipped_updates"]) == 2  # both minibatches skipped
+    assert not bool(m["finite"]) and int(m["skipped_steps"]) == 2  # both minibatches skipped
     for a, b in zip(jax.tree.leaves(new.actor), jax.tree.leaves(state.actor)):
         np.testing.assert_array_equal(a, b)
 
@@ -361,8 +361,8 @@ def separate_run(params):
 def test_first_minibatch_ratio_is_exactly_one(separate_run):
     _, history, _ = separate_run
     for m in history[:3]:
-        assert abs(float(m["first_ratio_max"]) - 1.0) <= 1e-6 and abs(float(m["first_ratio_min"]) - 1.0) <= 1e-6
-        assert float(m["first_clipfrac"]) == 0.0 and float(m["first_approx_kl"]) <= 1e-7
+        assert abs(float(m["first/ratio_max"]) - 1.0) <= 1e-6 and abs(float(m["first/ratio_min"]) - 1.0) <= 1e-6
+        assert float(m["first/clipfrac"]) == 0.0 and float(m["first/approx_kl"]) <= 1e-7
     assert float(history[0]["sampler_logp_diff_max"]) < 1e-4  # sampler and trainer agree
     # later minibatches do move
     assert float(history[0]["ratio_max"]) > 1.0 + 1e-4
@@ -389,7 +389,7 @@ def test_a_host_reward_iteration_equals_the_jax_reward_one(params, separate_run)
     it = ppo.make_iteration(ACTOR, CRITIC, host, tx_a, tx_c, cfg, lr_schedule=sched, donate=False)
     _, m = it(state, *_prompts(16), jax.random.key(1))
     first = separate_run[1][0]
-    for key in ("reward/target_fraction", "score_mean", "loss", "value_loss", "grad_norm", "kl_k1"):
+    for key in ("reward/target_fraction", "reward/mean", "loss", "value_loss", "grad_norm", "kl/k1"):
         np.testing.assert_allclose(m[key], first[key], rtol=1e-5, atol=1e-7, err_msg=key)
     assert m[timing.SCORING_S] >= m[timing.HOST_REWARD_S] > 0  # the host reward is part of the scoring
 
@@ -419,21 +419,21 @@ def test_the_fused_iteration_equals_the_timed_one(params, separate_run):
 def test_separate_critic_metrics(separate_run):
     state, history, _ = separate_run
     m = history[0]
-    for key in ("score_mean", "score_std", "shaped_reward_mean", "kl_k1", "kl_k3", "kl_seq", "beta", "entropy",
-                "response_length_mean", "response_length_max", "clipfrac", "approx_kl", "ratio_mean", "ratio_max",
-                "value_loss", "value_clipfrac", "advantage_mean", "advantage_std", "returns_mean", "grad_norm",
+    for key in ("reward/mean", "reward/std", "reward/shaped_mean", "kl/k1", "kl/k3", "kl/seq", "beta", "entropy",
+                "response_length/mean", "response_length/max", "clipfrac", "approx_kl", "ratio_mean", "ratio_max",
+                "value_loss", "value/clipfrac", "advantage/mean", "advantage/std", "returns/mean", "grad_norm",
                 "grad_norm_critic", "lr", "finite"):
         assert key in m and np.isfinite(m[key]), key
-    assert bool(m["finite"]) and float(m["kl_k1"]) == 0.0  # actor == reference at step 0
+    assert bool(m["finite"]) and float(m["kl/k1"]) == 0.0  # actor == reference at step 0
     assert int(state.step) == ITERATIONS and int(state.actor.step) == ITERATIONS * 2 * 2  # K·M optimizer steps
     assert int(state.critic.step) == int(state.actor.step)
-    np.testing.assert_allclose(m["response_length_mean"], T)
+    np.testing.assert_allclose(m["response_length/mean"], T)
 
 
 def test_learning_raises_score_with_bounded_kl(separate_run):
     _, history, _ = separate_run
-    score = np.array([float(m["score_mean"]) for m in history])
-    kl = np.array([float(m["kl_k3"]) for m in history])
+    score = np.array([float(m["reward/mean"]) for m in history])
+    kl = np.array([float(m["kl/k3"]) for m in history])
     start, end = score[:3].mean(), score[-3:].mean()
     # Random init: about 1/24 of the tokens are the target. The KL-regularised optimum is the
     # reference tilted by exp(r/β) per token (r = 1/8 per target token, β = 0.05: ×e^2.5 ≈ 12),
@@ -465,12 +465,12 @@ def test_shared_trunk_bf16_with_reward_model_and_adaptive_kl(params):
     for m in (m1, m2):
         assert bool(m["finite"]), {k: float(v) for k, v in m.items()}
     # step 0: policy == reference → KL 0 < target → β falls by the clipped error: 0.1·(1 − 0.2·8/20)
-    assert float(m1["kl_seq"]) == 0.0
+    assert float(m1["kl/seq"]) == 0.0
     np.testing.assert_allclose(m1["beta_next"], 0.1 * (1 - 0.2 * 8 / 20), rtol=1e-5)
     # step 1: the policy moved, KL above the tiny target → β rises
-    assert float(m2["kl_seq"]) > 1e-4 and float(m2["beta_next"]) > float(m2["beta"])
+    assert float(m2["kl/seq"]) > 1e-4 and float(m2["beta_next"]) > float(m2["beta"])
     np.testing.assert_allclose(m2["beta"], m1["beta_next"])
-    assert float(m1["first_approx_kl"]) < 1e-4  # bf16 compute, float32 log-probs
+    assert float(m1["first/approx_kl"]) < 1e-4  # bf16 compute, float32 log-probs
     assert state.critic is None and "value_head" in state.actor.params
     assert int(state.reward_stats.count) == 16
 
@@ -541,8 +541,8 @@ def test_rows_no_weighted_reward_scores_are_dropped_from_the_update(params, whit
         np.testing.assert_allclose(getattr(s.batch, name)[keep], getattr(s_sub.batch, name), atol=2e-5, err_msg=name)
     for a, b in zip(jax.tree.leaves((s.reward_stats, s.kl_ctl)), jax.tree.leaves((s_sub.reward_stats, s_sub.kl_ctl))):
         np.testing.assert_allclose(a, b, rtol=1e-5)
-    for key in ("score_mean", "score_std", "score_processed_mean", "shaped_reward_mean", "kl_k3", "kl_seq",
-                "advantage_mean", "advantage_std", "returns_mean", "values_mean", "num_tokens", "beta_next"):
+    for key in ("reward/mean", "reward/std", "reward/processed_mean", "reward/shaped_mean", "kl/k3", "kl/seq",
+                "advantage/mean", "advantage/std", "returns/mean", "value/mean", "num_tokens", "beta_next"):
         np.testing.assert_allclose(m[key], m_sub[key], rtol=1e-5, atol=1e-6, err_msg=key)
     new, mt = train(state, s, jax.random.key(1))
     new_sub, mt_sub = train(state, s_sub, jax.random.key(1))

@@ -105,7 +105,7 @@ def test_ppo_iteration_with_lora_roles_on_one_base(roles):
     iteration = ppo.make_iteration(ACTOR, SCORE, SCORE, tx, tx, cfg, donate=False)
     prompts, pmask = _sequences(8, seed=2)
     new, metrics = iteration(state, prompts[:, :P], pmask[:, :P], jax.random.key(7))
-    assert float(metrics["kl_k1"]) == 0.0 and bool(metrics["finite"])  # the policy starts at its reference
+    assert float(metrics["kl/k1"]) == 0.0 and bool(metrics["finite"])  # the policy starts at its reference
     changed = lambda a, b: bool(jnp.any(a != b))
     assert all(not changed(a, b) for a, b in zip(jax.tree.leaves(lora.without_adapters(new.actor.params)),
                                                  jax.tree.leaves(copy)))

@@ -175,7 +175,7 @@ def test_sft_then_reward_model_then_ppo_all_from_files(files, tmp_path):
     summary = train_and_evaluate(config, tmp_path / "run")
     assert {"after SFT", "after PPO"} <= set(summary["stages"])
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert {"sft/loss", "reward_model/loss", "ppo/score_mean"} <= {k for r in rows for k in r}
+    assert {"sft/loss", "reward_model/loss", "ppo/reward/mean"} <= {k for r in rows for k in r}
     with config.unlocked():
         config.task.update(kind="sft", path=str(paths["chats"]))
     with pytest.raises(ValueError, match=r"task.sft_path=.*this task's own rows are sft"):

@@ -45,7 +45,7 @@ def test_every_phase_trains_adapters_and_ppo_starts_at_its_reference(run):
     log = (run / "train.log").read_text()
     assert log.count("LoRA rank 4 on") == 3  # the SFT warm start, the reward model, PPO's actor
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    kl = [r["ppo/kl_k1"] for r in rows if "ppo/kl_k1" in r]
+    kl = [r["ppo/kl/k1"] for r in rows if "ppo/kl/k1" in r]
     assert kl and kl[0] == 0.0  # the actor = the base = the reference at the first rollout
     for key in ("reward_model/grad_norm", "ppo/grad_norm", "ppo/grad_norm_critic"):
         assert all(r[key] > 0 for r in rows if key in r) and any(key in r for r in rows), key

@@ -66,7 +66,7 @@ def test_ppo_trains_on_an_imported_reward_with_the_rows_fields(files, tmp_path):
         config.ppo.steps = 1
     train_and_evaluate(config, tmp_path / "run")
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["ppo/reward/level"] == 2.0 and row["ppo/score_mean"] == pytest.approx(0.5 * 2.0)
+    assert row["ppo/reward/level"] == 2.0 and row["ppo/reward/mean"] == pytest.approx(0.5 * 2.0)
     assert row["ppo/time/scoring_s"] >= row["ppo/time/host_reward_s"] > 0  # the host reward is part of scoring
     assert row["ppo/time/rollout_s"] > 0 and row["ppo/time/update_s"] > 0
 
