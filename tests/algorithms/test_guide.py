@@ -181,7 +181,7 @@ def test_guidance_teaches_what_the_policy_never_samples():
 
 
 def test_bad_input_is_a_clear_error():
-    with pytest.raises(ValueError, match="guide_coef must be >= 0"):
+    with pytest.raises(ValueError, match="guide_coef=-0.1 is impossible: it must be >= 0"):
         _cfg(guide_coef=-0.1)
     with pytest.raises(ValueError, match="guide_coef=1.0 needs each prompt's reference completion"):
         _run(_cfg(guide_coef=1.0), {k: v for k, v in EXTRAS.items() if k not in guide.GUIDE_KEYS}, 1)
