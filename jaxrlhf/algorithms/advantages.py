@@ -3,10 +3,14 @@
 An estimator is `fn(scores_N, response_mask_NxT, cfg, scored_N) -> advantages_NxT`: the
 sequence scores `[N]` (groups of `cfg.group_size` contiguous), the valid response tokens,
 the `GRPOConfig`, and the rows that have a score (`[N]` bool, or None: all); a row without
-a score gets 0 everywhere. The built-in four (formulas: docs/concepts.md#grpo-and-its-variants-dr-grpo-dapo):
+a score gets 0 everywhere. The built-in five (formulas: docs/concepts.md#grpo-and-its-variants-dr-grpo-dapo,
+docs/concepts.md#reinforce-with-a-group-baseline):
 
 - "grpo", "dr_grpo", "rloo": `ops.group_advantages` per group, broadcast to the tokens;
-- "reinforce_pp": `ops.whiten` of the broadcast scores over the batch (REINFORCE++).
+- "reinforce_pp": `ops.whiten` of the broadcast scores over the batch (REINFORCE++);
+- "reinforce_pp_baseline": the scores less their group's mean (`ops.group_advantages`'s
+  "dr_grpo", over the scored rows), broadcast to the tokens, then `ops.whiten` over the
+  valid tokens of the batch (REINFORCE++-baseline).
 
 A new one is one `register_advantage("name", fn)` call (its formula an `ops` function),
 then `--config.grpo.advantage=name`: docs/extending.md.
@@ -53,9 +57,20 @@ def _reinforce_pp(scores, response_mask, cfg, scored):
     return ops.whiten(ops.broadcast_sequence(scores, response_mask), response_mask)
 
 
+def _reinforce_pp_baseline(scores, response_mask, cfg, scored):
+    # The group-mean baseline is "dr_grpo" (an unscored row is left out of its group's mean
+    # and gets 0); an unscored row's tokens are out of `response_mask` (as `estimate` does),
+    # so the whitening's statistics skip them too.
+    if scored is not None:
+        response_mask = response_mask * jnp.asarray(scored, response_mask.dtype)[:, None]
+    centred = _group_method("dr_grpo")(scores, response_mask, cfg, scored)
+    return ops.whiten(centred, response_mask)
+
+
 for _method in ops.GROUP_METHODS:
     register_advantage(_method, _group_method(_method))
 register_advantage("reinforce_pp", _reinforce_pp, grouped=False)
+register_advantage("reinforce_pp_baseline", _reinforce_pp_baseline, grouped=True)
 
 
 def estimate(name: str, scores, response_mask, cfg, scored=None) -> jax.Array:

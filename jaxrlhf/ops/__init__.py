@@ -21,10 +21,13 @@ from jaxrlhf.ops._advantages import (
     GROUP_METHODS,
     GAEOutput,
     broadcast_sequence,
+    distillation_advantages,
     gae,
+    gdpo_advantages,
     group_advantages,
     whiten,
 )
+from jaxrlhf.ops._importance import IS_LEVELS, IS_MODES, importance_weights
 from jaxrlhf.ops._kl import KL_ESTIMATORS, approx_kl, kl, shape_rewards
 from jaxrlhf.ops._linear_logprobs import LinearLogprobs, linear_logprobs
 from jaxrlhf.ops._logprobs import (
@@ -33,7 +36,7 @@ from jaxrlhf.ops._logprobs import (
     shift_logits_for_response,
     token_logprobs,
 )
-from jaxrlhf.ops._losses import dpo_loss, policy_loss, reward_model_loss, value_loss
+from jaxrlhf.ops._losses import cispo_loss, dpo_loss, policy_loss, reward_model_loss, value_loss
 from jaxrlhf.ops._masked import AGGREGATE_MODES, aggregate, masked_mean, masked_sum, masked_var
 
 __all__ = [
@@ -56,10 +59,17 @@ __all__ = [
     "group_advantages",
     "GROUP_METHODS",
     "broadcast_sequence",
+    "gdpo_advantages",
+    "distillation_advantages",
+    # off-policy correction
+    "IS_MODES",
+    "IS_LEVELS",
+    "importance_weights",
     # losses and aggregation
     "AGGREGATE_MODES",
     "aggregate",
     "policy_loss",
+    "cispo_loss",
     "value_loss",
     "dpo_loss",
     "reward_model_loss",

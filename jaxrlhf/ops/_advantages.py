@@ -1,5 +1,5 @@
-"""Advantage estimators: GAE, group-relative baselines, whitening
-(docs/concepts.md#advantages-token-level-or-sequence-level)."""
+"""Advantage estimators: GAE, group-relative baselines, whitening, GDPO's multi-reward
+advantages and on-policy distillation's (docs/concepts.md#advantages-token-level-or-sequence-level)."""
 
 from __future__ import annotations
 
@@ -254,13 +254,7 @@ def group_advantages(
     _checks.choice(fn, "method", method, GROUP_METHODS)
     scores = _checks.float_array(fn, "scores", scores, ("N",))
     n = scores.shape[0]
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
-        raise ValueError(f"{fn}: `group_size` must be an int >= 2, got {group_size!r}")
-    if n % group_size:
-        raise ValueError(
-            f"{fn}: `scores` has N = {n} entries, not a multiple of group_size = {group_size} "
-            "(groups must be complete and contiguous)"
-        )
+    _check_groups(fn, group_size, n)
     if mask is not None:
         mask = _checks.mask_like(fn, mask, ("N",), "scores", scores.shape)
         return _masked_group_advantages(scores.reshape(n // group_size, group_size),
@@ -282,6 +276,16 @@ def group_advantages(
         std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
         adv = (s - mean) / (std + eps)
     return adv.reshape(n)
+
+
+def _check_groups(fn: str, group_size, n: int) -> None:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
+        raise ValueError(f"{fn}: `group_size` must be an int >= 2, got {group_size!r}")
+    if n % group_size:
+        raise ValueError(
+            f"{fn}: `scores` has N = {n} entries, not a multiple of group_size = {group_size} "
+            "(groups must be complete and contiguous)"
+        )
 
 
 def _masked_group_advantages(s_KxG: jax.Array, mask_KxG: jax.Array, method: str, eps: float) -> jax.Array:
@@ -320,3 +324,101 @@ def broadcast_sequence(x: jax.Array, mask: jax.Array) -> jax.Array:
     mask = _checks.array(fn, "mask", mask, ("B", "T")).astype(jnp.bool_)
     x = _checks.float_like(fn, "x", x, ("B",), "mask[:, 0]", mask.shape[:1])
     return jnp.where(mask, x[:, None], 0.0)
+
+
+def gdpo_advantages(
+    scores: jax.Array,
+    group_size: int,
+    *,
+    weights: jax.Array | None = None,
+    eps: float = 1e-6,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """GDPO (Liu et al. 2026, arXiv:2601.05242): group-relative advantages for several
+    rewards, each reward normalised in its group before they are summed
+    (docs/concepts.md#gdpo-several-rewards-normalised-apart).
+
+    `scores` `[N, K]` holds `K` reward components of `N = prompts·G` responses, groups of
+    `G` contiguous rows. With population statistics (ddof = 0):
+
+        a_k,i = (s_k,i − mean_g(s_k)) / (std_g(s_k) + ε)      (per component, per group)
+        a_i = Σ_k w_k · a_k,i
+        A_i = (a_i − mean_N(a)) / (std_N(a) + ε)               (over the whole batch)
+
+    A group whose scores of a component are all equal gets 0 for it (never NaN), and so does
+    a batch whose `a` are all equal.
+
+    With a `mask` `m` (1 on the rows that have a score), every statistic (group and batch)
+    is over the scored rows only, and an unscored row (its scores are ignored) gets 0. A
+    group with one scored row gives it `a = 0`, which still counts in the batch statistics.
+
+    Args:
+      scores: `[N, K]` reward components.
+      group_size: `G ≥ 2`, a static int dividing `N`.
+      weights: `[K]` component weights `w_k`; None: all 1.
+      eps: ε of both normalisations.
+      mask: `[N]` bool or float, 1 on the scored rows; None: every row is scored.
+
+    Returns:
+      `[N]` float32 sequence advantages (see `broadcast_sequence` for `[N, T]`).
+    """
+    fn = "gdpo_advantages"
+    scores = _checks.float_array(fn, "scores", scores, ("N", "K"))
+    n, k = scores.shape
+    _check_groups(fn, group_size, n)
+    if weights is None:
+        weights = jnp.ones((k,), jnp.float32)
+    else:
+        weights = _checks.float_like(fn, "weights", weights, ("K",), "scores[0]", (k,))
+    if mask is None:
+        mask = jnp.ones((n,), jnp.bool_)
+    else:
+        mask = _checks.mask_like(fn, mask, ("N",), "scores[:, 0]", (n,))
+    groups = n // group_size
+    m = jnp.broadcast_to(mask.reshape(groups, group_size, 1), (groups, group_size, k))
+    per_component = _standardise(scores.reshape(groups, group_size, k), m, 1, eps)
+    combined = jnp.sum(per_component * weights, axis=-1).reshape(n)
+    return _standardise(combined, mask, 0, eps)
+
+
+def _standardise(x: jax.Array, m: jax.Array, axis: int, eps: float) -> jax.Array:
+    """`(x − mean) / (std + ε)` over the entries `m` along `axis` (ddof = 0); 0 elsewhere."""
+    # The shift of group_advantages: by the first valid entry, so that equal values are
+    # exactly 0 before any division (and an equal group's output exactly 0).
+    first = jnp.take_along_axis(x, jnp.argmax(m, axis=axis, keepdims=True), axis=axis)
+    x = jnp.where(m, x - first, 0.0)
+    count = jnp.maximum(jnp.sum(m, axis=axis, keepdims=True, dtype=jnp.float32), 1.0)
+    centred = jnp.where(m, x - jnp.sum(x, axis=axis, keepdims=True) / count, 0.0)
+    var = jnp.sum(jnp.square(centred), axis=axis, keepdims=True) / count
+    # sqrt'(0) is inf: keep an equal group out of it so that gradients stay finite.
+    std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+    return jnp.where(m, centred / (std + eps), 0.0)
+
+
+def distillation_advantages(
+    teacher_logp: jax.Array, old_logp: jax.Array, mask: jax.Array
+) -> jax.Array:
+    """On-policy distillation's per-token advantage (docs/concepts.md#on-policy-distillation):
+    the student's own samples, each token rewarded by how much more the teacher likes it,
+
+        A_t = sg(teacher_logp_t − old_logp_t)     on valid tokens, 0 on padding
+
+    (the negative per-token reverse KL, log π_T − log π_old, of the sampled token; Agarwal et
+    al. 2024, arXiv:2306.13649). Use it in place of (or added to) reward advantages in
+    `policy_loss` or `cispo_loss`.
+
+    Args:
+      teacher_logp: `[B, T]` log-probs of the sampled tokens under the teacher.
+      old_logp: `[B, T]` log-probs of the same tokens under the rollout (student) policy.
+      mask: `[B, T]` bool or float, 1 on valid response tokens.
+
+    Returns:
+      `[B, T]` float32, no gradient, 0 on padding.
+    """
+    fn = "distillation_advantages"
+    teacher_logp = _checks.float_array(fn, "teacher_logp", teacher_logp, ("B", "T"))
+    old_logp = _checks.float_like(fn, "old_logp", old_logp, ("B", "T"), "teacher_logp",
+                                  teacher_logp.shape)
+    mask = _checks.mask_like(fn, mask, ("B", "T"), "teacher_logp", teacher_logp.shape)
+    diff = jnp.where(mask, teacher_logp, 0.0) - jnp.where(mask, old_logp, 0.0)
+    return jnp.where(mask, lax.stop_gradient(diff), 0.0)

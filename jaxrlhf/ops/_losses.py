@@ -1,5 +1,5 @@
 """Policy, value, preference and reward-model losses (docs/concepts.md#the-clipped-losses,
-docs/concepts.md#preference-losses).
+docs/concepts.md#cispo, docs/concepts.md#preference-losses).
 
 Each loss returns `(loss, metrics)`: a float32 scalar to differentiate and a dict of float32
 scalar diagnostics. The dict's keys depend only on static arguments.
@@ -25,6 +25,8 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     norm_len: int | float | jax.Array | None = None,
+    *,
+    is_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), per token:
 
@@ -34,7 +36,10 @@ def policy_loss(
 
     then `aggregate(l, mask, mode=agg, norm_len=norm_len)`. `ε_high > ε_low` is DAPO's
     clip-higher (arXiv:2503.14476). Where a clip is active the loss is constant in `logp`,
-    so those tokens get exactly zero gradient.
+    so those tokens get exactly zero gradient. With `is_weights` `w` (e.g.
+    `importance_weights`; constants, no gradient flows into them) each token's `l_t`
+    becomes `w_t·l_t` before the aggregation
+    (docs/concepts.md#importance-weights-when-the-sampler-is-not-the-policy).
 
     Args:
       logp: `[B, T]` response-aligned log-probs under the policy being trained.
@@ -46,6 +51,8 @@ def policy_loss(
       dual_clip: c > 1, or None for no dual clip.
       agg: aggregation mode, see `aggregate`.
       norm_len: the constant of `agg="seq-mean-token-sum-norm"`.
+      is_weights: `[B, T]` per-token weights, or None (no weighting: the same numbers, bit
+        for bit, as without the argument).
 
     Returns:
       `(loss, metrics)` with metrics, all masked over valid tokens:
@@ -65,6 +72,8 @@ def policy_loss(
         clip_high = clip_low
     if dual_clip is not None:
         _checks.positive(fn, "dual_clip", dual_clip, above=1.0)
+    if is_weights is not None:
+        is_weights = _weights(fn, is_weights, mask)
 
     # Zero the padding before exp: garbage there must not reach the ratio or its gradient.
     logp = jnp.where(mask, logp, 0.0)
@@ -81,16 +90,96 @@ def policy_loss(
         dual_active = (advantages < 0) & (bound < per_token)
         per_token = jnp.where(dual_active, bound, per_token)
         metrics["dual_clipfrac"] = _masked.masked_mean(dual_active, mask)
+    if is_weights is not None:
+        per_token = per_token * is_weights
 
     loss = _masked.aggregate(per_token, mask, mode=agg, norm_len=norm_len)
+    metrics.update(_ratio_metrics(logp, old_logp, ratio, mask))
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def _weights(fn: str, is_weights, mask: jax.Array) -> jax.Array:
+    """`is_weights` `[B, T]` as float32 constants, 0 on padding."""
+    w = _checks.float_like(fn, "is_weights", is_weights, ("B", "T"), "logp", mask.shape)
+    return jnp.where(mask, jax.lax.stop_gradient(w), 0.0)
+
+
+def _ratio_metrics(logp, old_logp, ratio, mask) -> dict[str, jax.Array]:
+    """approx_kl and the ratio's mean, min and max over the valid tokens (0 when none)."""
     any_valid = jnp.any(mask)
     ratio = jax.lax.stop_gradient(ratio)
-    metrics.update(
+    return dict(
         approx_kl=_kl.approx_kl(logp, old_logp, mask),
         ratio_mean=_masked.masked_mean(ratio, mask),
         ratio_min=jnp.where(any_valid, jnp.min(jnp.where(mask, ratio, jnp.inf)), 0.0),
         ratio_max=jnp.where(any_valid, jnp.max(jnp.where(mask, ratio, -jnp.inf)), 0.0),
     )
+
+
+def cispo_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 4.0,
+    is_weights: jax.Array | None = None,
+    agg: str = "token-mean",
+    norm_len: int | float | jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): REINFORCE with a clipped, stop-gradient
+    importance weight, so that no token's gradient is dropped (docs/concepts.md#cispo), per
+    token:
+
+        ρ_t = exp(logp_t − old_logp_t)
+        l_t = −w_t · sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · logp_t
+
+    then `aggregate(l, mask, mode=agg, norm_len=norm_len)`; `w` is `is_weights` (1 when
+    None). The gradient is `−w_t·sg(clip(ρ_t))·A_t·∇logp_t` on every valid token, clipped or
+    not; `ε_low = 1` (the default) means no lower bound (ρ ≥ 0).
+
+    Args:
+      logp: `[B, T]` response-aligned log-probs under the policy being trained.
+      old_logp: `[B, T]` log-probs under the rollout policy (constants).
+      advantages: `[B, T]` per-token advantages.
+      mask: `[B, T]` bool or float, 1 on valid response tokens.
+      clip_low: ε_low > 0 (1 or more: no lower bound).
+      clip_high: ε_high > 0.
+      is_weights: `[B, T]` per-token weights (e.g. `importance_weights`; constants), or None.
+      agg: aggregation mode, see `aggregate`.
+      norm_len: the constant of `agg="seq-mean-token-sum-norm"`.
+
+    Returns:
+      `(loss, metrics)` with metrics masked over valid tokens: `clipfrac` (fraction of
+      tokens whose ratio lies outside `[1 − ε_low, 1 + ε_high]`), `approx_kl`,
+      `ratio_mean`, `ratio_min`, `ratio_max` (as in `policy_loss`).
+    """
+    fn = "cispo_loss"
+    logp = _checks.float_array(fn, "logp", logp, ("B", "T"))
+    shape = logp.shape
+    old_logp = _checks.float_like(fn, "old_logp", old_logp, ("B", "T"), "logp", shape)
+    advantages = _checks.float_like(fn, "advantages", advantages, ("B", "T"), "logp", shape)
+    mask = _checks.mask_like(fn, mask, ("B", "T"), "logp", shape)
+    _checks.choice(fn, "agg", agg, _masked.AGGREGATE_MODES)
+    _checks.positive(fn, "clip_low", clip_low)
+    _checks.positive(fn, "clip_high", clip_high)
+    if is_weights is not None:
+        is_weights = _weights(fn, is_weights, mask)
+
+    logp = jnp.where(mask, logp, 0.0)
+    old_logp = jnp.where(mask, old_logp, 0.0)
+    advantages = jnp.where(mask, advantages, 0.0)
+
+    ratio = jnp.exp(logp - old_logp)
+    lower, upper = 1.0 - clip_low, 1.0 + clip_high
+    coef = jax.lax.stop_gradient(jnp.clip(ratio, lower, upper)) * advantages
+    if is_weights is not None:
+        coef = coef * is_weights
+    per_token = -coef * logp
+    loss = _masked.aggregate(per_token, mask, mode=agg, norm_len=norm_len)
+    metrics = {"clipfrac": _masked.masked_mean((ratio < lower) | (ratio > upper), mask)}
+    metrics.update(_ratio_metrics(logp, old_logp, ratio, mask))
     return loss, jax.lax.stop_gradient(metrics)
 
 

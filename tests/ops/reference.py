@@ -168,9 +168,10 @@ def aggregate(x, mask, mode="token-mean", norm_len=None):
 
 def policy_loss(
     logp, old_logp, advantages, mask, clip_low=0.2, clip_high=None, dual_clip=None,
-    agg="token-mean", norm_len=None,
+    agg="token-mean", norm_len=None, is_weights=None,
 ):
     logp, old_logp, advantages, mask = _f64(logp, old_logp, advantages, mask)
+    weights = np.ones(logp.shape) if is_weights is None else _f64(is_weights)[0]
     if clip_high is None:
         clip_high = clip_low
     per_token = np.zeros(logp.shape)
@@ -186,7 +187,7 @@ def policy_loss(
             loss = max(l1, l2)
             if dual_clip is not None and a < 0:
                 loss = min(loss, -dual_clip * a)
-            per_token[b, t] = loss
+            per_token[b, t] = weights[b, t] * loss
             count += 1
             clipped_count += l2 > l1
             kl_sum += rho - 1 - math.log(rho)
@@ -199,6 +200,134 @@ def policy_loss(
         "ratio_min": min(ratios) if ratios else 0.0,
     }
     return aggregate(per_token, mask, agg, norm_len), metrics
+
+
+def cispo_loss(
+    logp, old_logp, advantages, mask, clip_low=1.0, clip_high=4.0, is_weights=None,
+    agg="token-mean", norm_len=None,
+):
+    """Returns (loss, metrics, dloss/dlogp): the gradient −w·clip(ρ)·A/den of token-mean
+    is the REINFORCE term with the clipped ratio held constant (for agg="token-mean")."""
+    logp, old_logp, advantages, mask = _f64(logp, old_logp, advantages, mask)
+    weights = np.ones(logp.shape) if is_weights is None else _f64(is_weights)[0]
+    per_token = np.zeros(logp.shape)
+    coef = np.zeros(logp.shape)
+    clipped_count, count, kl_sum, ratios = 0, 0, 0.0, []
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[b, t]:
+                continue
+            rho = math.exp(logp[b, t] - old_logp[b, t])
+            rho_clip = min(max(rho, 1 - clip_low), 1 + clip_high)
+            coef[b, t] = -weights[b, t] * rho_clip * advantages[b, t]
+            per_token[b, t] = coef[b, t] * logp[b, t]
+            count += 1
+            clipped_count += rho_clip != rho
+            kl_sum += rho - 1 - math.log(rho)
+            ratios.append(rho)
+    metrics = {
+        "clipfrac": clipped_count / count if count else 0.0,
+        "approx_kl": kl_sum / count if count else 0.0,
+        "ratio_mean": sum(ratios) / count if count else 0.0,
+        "ratio_max": max(ratios) if ratios else 0.0,
+        "ratio_min": min(ratios) if ratios else 0.0,
+    }
+    grad = coef / count if count else coef
+    return aggregate(per_token, mask, agg, norm_len), metrics, grad
+
+
+def importance_weights(proximal, behaviour, mask, mode="tis", cap=2.0, low=0.5, high=5.0, level="token"):
+    proximal, behaviour, mask = _f64(proximal, behaviour, mask)
+    b_size, t_size = proximal.shape
+    weights = np.zeros(proximal.shape)
+    outside, kls, diffs = 0, [], []
+    for b in range(b_size):
+        deltas = [proximal[b, t] - behaviour[b, t] for t in range(t_size) if mask[b, t]]
+        for t in range(t_size):
+            if not mask[b, t]:
+                continue
+            if level == "token":
+                r = math.exp(proximal[b, t] - behaviour[b, t])
+            elif level == "sequence":
+                r = math.exp(min(max(sum(deltas), -20.0), 20.0))
+            else:
+                r = math.exp(sum(deltas) / len(deltas))
+            if mode == "tis":
+                weights[b, t] = min(r, cap)
+                outside += r > cap
+            elif mode == "mis":
+                inside = low <= r <= high
+                weights[b, t] = r if inside else 0.0
+                outside += not inside
+            else:
+                weights[b, t] = 1.0
+            d = behaviour[b, t] - proximal[b, t]
+            kls.append(math.exp(-d) - 1 + d)
+            diffs.append(abs(d))
+    n = len(kls)
+    valid = [weights[b, t] for b in range(b_size) for t in range(t_size) if mask[b, t]]
+    metrics = {
+        "is_weight_mean": sum(valid) / n if n else 0.0,
+        "is_weight_max": max(valid) if n else 0.0,
+        "is_frac_truncated": outside / n if n else 0.0,
+        "mismatch_kl": sum(kls) / n if n else 0.0,
+        "max_abs_logp_diff": max(diffs) if n else 0.0,
+    }
+    return weights, metrics
+
+
+def _zscore(values, eps):
+    """Population (ddof = 0) z-scores of a list; 0 for a list of equal values."""
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return [0.0 if std == 0 else (v - mean) / (std + eps) for v in values]
+
+
+def gdpo_advantages(scores, group_size, weights=None, eps=1e-6, mask=None):
+    (scores,) = _f64(scores)
+    n, k = scores.shape
+    weights = [1.0] * k if weights is None else [float(w) for w in weights]
+    scored = [True] * n if mask is None else [bool(x) for x in mask]
+    combined = {}
+    for start in range(0, n, group_size):
+        rows = [start + i for i in range(group_size) if scored[start + i]]
+        if not rows:
+            continue
+        total = {i: 0.0 for i in rows}
+        for c in range(k):
+            for i, z in zip(rows, _zscore([scores[i, c] for i in rows], eps)):
+                total[i] += weights[c] * z
+        combined.update(total)
+    out = np.zeros(n)
+    rows = sorted(combined)
+    if rows:
+        out[rows] = _zscore([combined[i] for i in rows], eps)
+    return out
+
+
+def reinforce_pp_baseline(scores, response_mask, group_size, scored=None):
+    """Group-mean baseline over the scored rows, broadcast, whitened over the scored rows'
+    valid tokens; 0 for an unscored row."""
+    (scores,) = _f64(scores)
+    n = len(scores)
+    scored = [True] * n if scored is None else [bool(x) for x in scored]
+    centred = np.zeros(n)
+    for start in range(0, n, group_size):
+        rows = [start + i for i in range(group_size) if scored[start + i]]
+        for i in rows:
+            centred[i] = scores[i] - sum(scores[j] for j in rows) / len(rows)
+    mask = np.asarray(response_mask, np.float64) * np.asarray(scored, np.float64)[:, None]
+    return whiten(centred[:, None] * mask, mask)
+
+
+def distillation_advantages(teacher_logp, old_logp, mask):
+    teacher_logp, old_logp, mask = _f64(teacher_logp, old_logp, mask)
+    out = np.zeros(teacher_logp.shape)
+    for b in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            if mask[b, t]:
+                out[b, t] = teacher_logp[b, t] - old_logp[b, t]
+    return out
 
 
 def value_loss(values, old_values, returns, mask, clip=0.2, agg="token-mean", norm_len=None):

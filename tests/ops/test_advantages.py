@@ -191,3 +191,112 @@ def test_gae_bad_arguments():
         ops.gae(rewards[0], values[0], mask[0])
     with pytest.raises(ValueError, match="valid choices are 'auto', 'scan', 'associative', 'blocked'"):
         ops.gae(rewards, values, mask, method="loop")
+
+
+_gdpo = jax.jit(ops.gdpo_advantages, static_argnames=("group_size",))
+# Groups of G = 4 with 4, 3, 2, 1 and 0 scored rows.
+GDPO_MASK = np.array([1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+
+
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5, 2.0]])
+@pytest.mark.parametrize("masked", [False, True], ids=["all-scored", "mask"])
+def test_gdpo_advantages_match_reference(weights, masked):
+    rng = np.random.default_rng(6)
+    # Component 0 binary (equal-score groups happen), 1 continuous, 2 on another scale.
+    scores = np.stack([rng.integers(0, 2, 20), rng.standard_normal(20), 100 * rng.standard_normal(20)],
+                      axis=1).astype(np.float32)
+    scores[4:8, 0] = 1.0  # one group all correct on component 0
+    mask = GDPO_MASK if masked else None
+    want = reference.gdpo_advantages(scores, 4, weights, mask=mask)
+    eager = ops.gdpo_advantages(scores, 4, weights=weights, mask=mask)
+    np.testing.assert_allclose(eager, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_gdpo(scores, group_size=4, weights=weights, mask=mask), eager, rtol=1e-5, atol=1e-6)
+    if masked:
+        # An unscored row's scores are ignored and it gets 0; a float mask is a bool mask.
+        np.testing.assert_array_equal(eager[~GDPO_MASK], 0.0)
+        garbage = np.where(GDPO_MASK[:, None], scores, np.nan)
+        np.testing.assert_array_equal(ops.gdpo_advantages(garbage, 4, weights=weights, mask=mask), eager)
+        np.testing.assert_array_equal(
+            ops.gdpo_advantages(scores, 4, weights=weights, mask=GDPO_MASK.astype(np.float32)), eager)
+    grad = jax.grad(lambda s: jnp.sum(_gdpo(s, group_size=4, weights=weights, mask=mask) ** 3))(scores)
+    assert np.all(np.isfinite(grad))
+    if masked:
+        np.testing.assert_array_equal(grad[~GDPO_MASK], 0.0)
+    # bf16 in, float32 math on the rounded numbers.
+    low = jnp.asarray(scores, jnp.bfloat16)
+    out = ops.gdpo_advantages(low, 4, weights=weights, mask=mask)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ops.gdpo_advantages(low.astype(jnp.float32), 4, weights=weights, mask=mask),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_gdpo_advantages_hand_values():
+    # One group of G = 2, K = 2: component 0 = [1, 0]: mean 0.5, std 0.5 → z ≈ [1, −1];
+    # component 1 = [3, 3] (equal) → 0. a = [1, −1] (w = 1); batch mean 0, std 1 → [1, −1].
+    got = ops.gdpo_advantages(jnp.array([[1.0, 3.0], [0.0, 3.0]]), 2)
+    np.testing.assert_allclose(got, [1.0, -1.0], rtol=1e-5)
+    # Equal scores everywhere: exactly 0, never NaN, with a finite gradient.
+    scores = jnp.full((8, 3), 0.3)
+    np.testing.assert_array_equal(ops.gdpo_advantages(scores, 4), 0.0)
+    assert np.all(np.isfinite(jax.grad(lambda s: jnp.sum(ops.gdpo_advantages(s, 4) ** 2))(scores)))
+    # Group [(1, 0), (0, 1), (0, 0), (1, 1)], w = [2, 1]: z_0 = [1, −1, −1, 1],
+    # z_1 = [−1, 1, −1, 1], a = 2·z_0 + z_1 = [1, −1, −3, 3]: (1, 0) and (0, 1) stay apart.
+    got = ops.gdpo_advantages(jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]), 4, weights=[2.0, 1.0])
+    assert got[0] > got[1] > got[2] and got[3] > got[0]
+
+
+def test_gdpo_advantages_bad_arguments():
+    with pytest.raises(ValueError, match=r"gdpo_advantages: `scores` must have shape \[N, K\]"):
+        ops.gdpo_advantages(jnp.zeros(8), 4)
+    with pytest.raises(ValueError, match="gdpo_advantages: `scores` has N = 7 entries, not a multiple"):
+        ops.gdpo_advantages(jnp.zeros((7, 2)), 2)
+    with pytest.raises(ValueError, match="gdpo_advantages: `group_size` must be an int >= 2"):
+        ops.gdpo_advantages(jnp.zeros((8, 2)), 1)
+    with pytest.raises(ValueError, match=r"gdpo_advantages: `weights` must have shape \[K\] = \(2,\)"):
+        ops.gdpo_advantages(jnp.zeros((8, 2)), 4, weights=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"gdpo_advantages: `mask` must have shape \[N\] = \(8,\)"):
+        ops.gdpo_advantages(jnp.zeros((8, 2)), 4, mask=jnp.ones(4))
+
+
+def test_distillation_advantages():
+    rng = np.random.default_rng(7)
+    teacher, old = (-1.0 + rng.standard_normal((2, B, T))).astype(np.float32)
+    mask = inputs.random_mask(rng, B, T)
+    want = reference.distillation_advantages(teacher, old, mask)
+    got = ops.distillation_advantages(teacher, old, mask)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(ops.distillation_advantages)(teacher, old, mask.astype(np.float32)), got,
+                               rtol=1e-6, atol=1e-6)
+    grads = jax.grad(lambda t, o: jnp.sum(ops.distillation_advantages(t, o, mask)), argnums=(0, 1))(teacher, old)
+    for g in grads:  # a stop-gradient advantage
+        np.testing.assert_array_equal(g, 0.0)
+    np.testing.assert_allclose(
+        ops.distillation_advantages(jnp.array([[-0.5, -2.0, np.nan]]), jnp.array([[-1.5, -1.0, 3.0]]),
+                                    jnp.array([[1, 1, 0]])), [[1.0, -1.0, 0.0]])
+    with pytest.raises(ValueError, match=r"distillation_advantages: `old_logp` must have shape \[B, T\]"):
+        ops.distillation_advantages(teacher, old[:, 1:], mask)
+
+
+@pytest.mark.parametrize("scored", [None, "some"])
+def test_reinforce_pp_baseline_matches_reference(scored):
+    # The registered GRPO-family estimator (algorithms.advantages): group mean out, then
+    # whitening over the valid tokens of the scored rows.
+    from types import SimpleNamespace
+
+    from jaxrlhf.algorithms import advantages
+
+    rng = np.random.default_rng(8)
+    scores = rng.standard_normal(12).astype(np.float32)
+    mask = inputs.random_mask(rng, 12, T).astype(np.float32)
+    if scored is not None:
+        scored = np.array([1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1], bool)
+    cfg = SimpleNamespace(group_size=4, adv_eps=1e-6)
+    got = advantages.estimate("reinforce_pp_baseline", scores, mask, cfg, scored)
+    want = reference.reinforce_pp_baseline(scores, mask, 4, scored)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if scored is not None:
+        np.testing.assert_array_equal(np.asarray(got)[~scored], 0.0)
+        # Calling the estimator itself, unscored rows' tokens still in the mask: the same.
+        direct = advantages.ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"](scores, mask, cfg, scored)
+        np.testing.assert_allclose(direct, got, rtol=1e-6, atol=1e-6)
+    assert "reinforce_pp_baseline" in advantages.GROUPED

@@ -197,3 +197,92 @@ def test_loss_bad_arguments():
         ops.dpo_loss(x[0], x[0], x[0], x[0], loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"`margin` must have shape \[B\]"):
         ops.reward_model_loss(x[0], x[0], x[0, :2])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"clip_high": 0.28, "dual_clip": 3.0, "agg": "seq-mean-token-mean"},
+     {"agg": "seq-mean-token-sum-norm", "norm_len": 8}],
+)
+def test_policy_loss_with_is_weights_matches_reference(kwargs):
+    (logp, old, adv, w), mask = _batch(8, 4)
+    adv, w = 4.0 * adv, np.exp(w)
+    loss, metrics = ops.policy_loss(logp, old, adv, mask, is_weights=w, **kwargs)
+    ref_loss, ref_metrics = reference.policy_loss(logp, old, adv, mask, is_weights=w, **kwargs)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    # The gradient is the unweighted one times w, token by token; none flows into w.
+    grad = jax.grad(lambda lp: ops.policy_loss(lp, old, adv, mask, is_weights=w, **kwargs)[0])(logp)
+    plain = jax.grad(lambda lp: ops.policy_loss(lp, old, adv, mask, **kwargs)[0])(logp)
+    np.testing.assert_allclose(grad, w * plain, rtol=1e-5, atol=1e-7)
+    grad_w = jax.grad(lambda w: ops.policy_loss(logp, old, adv, mask, is_weights=w, **kwargs)[0])(w)
+    np.testing.assert_array_equal(grad_w, 0.0)
+
+
+def test_policy_loss_without_is_weights_is_unchanged_bit_for_bit():
+    # None is today's loss exactly; weights of ones give the same numbers.
+    (logp, old, adv), mask = _batch(9, 3)
+    fn = jax.jit(lambda *a: ops.policy_loss(*a, clip_high=0.3, dual_clip=2.0))
+    base = fn(logp, old, adv, mask)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.jit(lambda *a: ops.policy_loss(*a, clip_high=0.3, dual_clip=2.0, is_weights=None))(
+                     logp, old, adv, mask), base)
+    ones = ops.policy_loss(logp, old, adv, mask, clip_high=0.3, dual_clip=2.0, is_weights=np.ones((B, T)))
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7), ones, base)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"clip_low": 0.2, "clip_high": 0.28}, {"is_weights": "random"},
+     {"clip_low": 0.1, "clip_high": 0.1, "agg": "seq-mean-token-sum-norm", "norm_len": 8}],
+)
+def test_cispo_loss_matches_reference(kwargs):
+    (logp, old, adv, w), mask = _batch(10, 4)
+    if "is_weights" in kwargs:
+        kwargs = {**kwargs, "is_weights": np.exp(w)}
+    loss, metrics = ops.cispo_loss(logp, old, adv, mask, **kwargs)
+    ref_loss, ref_metrics, ref_grad = reference.cispo_loss(logp, old, adv, mask, **kwargs)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    if kwargs.get("clip_low") == 0.2:
+        assert 0 < float(metrics["clipfrac"]) < 1
+    if kwargs.get("agg", "token-mean") == "token-mean":
+        # Every valid token gets the REINFORCE gradient with the clipped ratio held constant,
+        # clipped or not (PPO's clip would zero it); padding gets exactly 0.
+        grad = jax.grad(lambda lp: ops.cispo_loss(lp, old, adv, mask, **kwargs)[0])(logp)
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+        assert np.all(np.asarray(grad)[mask & (adv != 0)] != 0.0)
+        np.testing.assert_array_equal(np.asarray(grad)[~mask], 0.0)
+
+
+def test_cispo_loss_hand_values():
+    # ρ = e^{0.5} = 1.649 clipped to 1.2 (ε_high = 0.2), A = 2, logp = 0.5, w = 0.5:
+    # l = −0.5·1.2·2·0.5 = −0.6. The default ε_low = 1 never clips from below: ρ = e^{−3}
+    # stays, and with A = 1, logp = −3: l = −e^{−3}·1·(−3) = 3e^{−3}.
+    loss, metrics = ops.cispo_loss(jnp.array([[0.5]]), jnp.zeros((1, 1)), jnp.array([[2.0]]), jnp.ones((1, 1)),
+                                   clip_high=0.2, is_weights=jnp.array([[0.5]]))
+    np.testing.assert_allclose(loss, -0.6, rtol=1e-6)
+    np.testing.assert_allclose(metrics["clipfrac"], 1.0)
+    loss, metrics = ops.cispo_loss(jnp.array([[-3.0]]), jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.ones((1, 1)))
+    np.testing.assert_allclose(loss, 3.0 * np.exp(-3.0), rtol=1e-6)
+    assert float(metrics["clipfrac"]) == 0.0
+
+
+def test_new_loss_bad_arguments():
+    x = np.zeros((B, T))
+    with pytest.raises(ValueError, match=r"policy_loss: `is_weights` must have shape \[B, T\] = \(5, 6\) like `logp`"):
+        ops.policy_loss(x, x, x, x, is_weights=x[:, :2])
+    with pytest.raises(ValueError, match=r"cispo_loss: `is_weights` must have shape"):
+        ops.cispo_loss(x, x, x, x, is_weights=x[0])
+    with pytest.raises(ValueError, match="cispo_loss: `clip_high` must be > 0"):
+        ops.cispo_loss(x, x, x, x, clip_high=0.0)
+    with pytest.raises(ValueError, match="cispo_loss: `clip_low` must be > 0"):
+        ops.cispo_loss(x, x, x, x, clip_low=-0.1)
+    with pytest.raises(ValueError, match=r"cispo_loss: `advantages` must have shape"):
+        ops.cispo_loss(x, x, x.T, x)
+    with pytest.raises(ValueError, match="cispo_loss: unknown agg"):
+        ops.cispo_loss(x, x, x, x, agg="sum")
+    with pytest.raises(ValueError, match="needs `norm_len`"):
+        ops.cispo_loss(x, x, x, x, agg="seq-mean-token-sum-norm")

@@ -40,6 +40,19 @@ CASES = {
         3, lambda lp, old, a, m: ops.policy_loss(lp, old, a, m, clip_high=0.3, dual_clip=2.0)
     ),
     "value_loss": (3, lambda v, old, r, m: ops.value_loss(v, old, r, m, clip=0.2)),
+    "policy_loss[is_weights]": (
+        4, lambda lp, old, a, w, m: ops.policy_loss(lp, old, a, m, dual_clip=2.0, is_weights=jnp.exp(w))
+    ),
+    "cispo_loss": (3, lambda lp, old, a, m: ops.cispo_loss(lp, old, a, m, clip_low=0.2, clip_high=0.3)),
+    "cispo_loss[is_weights]": (
+        4, lambda lp, old, a, w, m: ops.cispo_loss(lp, old, a, m, is_weights=jnp.exp(w), agg="seq-mean-token-mean")
+    ),
+    "importance_weights[tis]": (2, lambda p, b, m: ops.importance_weights(p, b, m)),
+    "importance_weights[mis,sequence]": (
+        2, lambda p, b, m: ops.importance_weights(p, b, m, mode="mis", low=1e-3, high=1e3, level="sequence")
+    ),
+    "importance_weights[tis,geometric]": (2, lambda p, b, m: ops.importance_weights(p, b, m, level="geometric")),
+    "distillation_advantages": (2, ops.distillation_advantages),
 }
 
 
@@ -109,7 +122,8 @@ def test_properties(name):
     _assert_trees_close(out_low, base, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("name", ["gae[scan]", "whiten", "policy_loss", "value_loss"])
+@pytest.mark.parametrize("name", ["gae[scan]", "whiten", "policy_loss", "value_loss", "cispo_loss",
+                                  "importance_weights[tis]", "distillation_advantages"])
 def test_bad_mask_shape_names_the_argument(name):
     fn, xs, mask, _ = _case_inputs(name)
     with pytest.raises(ValueError, match=r"`mask` must have shape \[B, T\] = \(4, 6\)"):
