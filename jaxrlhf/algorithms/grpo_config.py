@@ -26,7 +26,8 @@ class GRPOConfig:
     advantage: str = option("grpo", "the advantage estimator (`algorithms.advantages`): 'grpo' (group z-score "
                             "(s − mean_g)/(std_g + adv_eps)), 'dr_grpo' (no std division: s − mean_g), 'rloo' "
                             "(leave-one-out: s_i less the mean of the group's others), 'reinforce_pp' (`ops.whiten` "
-                            "of the scores broadcast to tokens over the batch: no group baseline, G may be 1), or "
+                            "of the scores broadcast to tokens over the batch: no group baseline, G may be 1), "
+                            "'reinforce_pp_baseline' (the group mean subtracted, then whitened over the batch), or "
                             "one registered with register_advantage", choices=advantages.names)
     adv_eps: float = option(1e-6, "ε of 'grpo' advantages (s − mean)/(std + ε) (TRL uses 1e-4)", min=0)
     beta: float = option(0.0, "β, the weight of the KL to the reference; 0 (and no track_kl) needs no reference "
