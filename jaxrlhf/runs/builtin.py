@@ -78,7 +78,7 @@ def _run_reward_model(run: Run) -> None:
     # An SFT phase's adapters folded in: the base of the reward model and of PPO's roles.
     params = setup.start_adapters(run.model, run.params, fresh=False, seed=0, placement=run.placement)
     run.params = trunk = params
-    if config.reward_model.get("sft_steps", 0) > 0:  # the reward model's own, further-trained trunk
+    if config.reward_model.sft_steps > 0:  # the reward model's own, further-trained trunk
         trunk = _reward_model_trunk(run, params)
         exits.signal_at("between_phases")  # test hook
         run.extras["reward_model_trunk"] = run.accuracy(trunk)

@@ -41,23 +41,18 @@ class SampledEval:
 
     @classmethod
     def from_config(cls, train) -> "SampledEval | None":
-        """From `config.train` (`eval_samples`, `eval_k`, `eval_temperature`); None when
-        `eval_samples` is 0 (off). Errors name the field."""
-        n = train.get("eval_samples", 0)
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"train.eval_samples={n!r}: expected an integer >= 0 (0 = off)")
+        """From `config.train` (`eval_samples`, `eval_k`, `eval_temperature`, each within its
+        field's bounds: `runs.sections.TrainConfig`); None when `eval_samples` is 0 (off).
+        The k of `eval_k` must be in [1, eval_samples]; errors name the field."""
+        n = train.eval_samples
         if n == 0:
             return None
-        ks = parse_ks(train.get("eval_k", "1"), field="train.eval_k")
+        ks = parse_ks(train.eval_k, field="train.eval_k")
         try:
             check_ks(ks, int(n))
         except ValueError as e:
-            raise ValueError(f"train.eval_k={train.get('eval_k')!r} with train.eval_samples={n}: {e}") from None
-        temperature = train.get("eval_temperature", 1.0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"train.eval_temperature={temperature!r}: expected a number > 0 (sampled "
-                             "evaluation; greedy decoding is eval/accuracy)")
-        return cls(num_samples=int(n), ks=ks, temperature=float(temperature))
+            raise ValueError(f"train.eval_k={train.eval_k!r} with train.eval_samples={n}: {e}") from None
+        return cls(num_samples=int(n), ks=ks, temperature=float(train.eval_temperature))
 
     def describe(self) -> str:
         return f"{self.num_samples} samples per prompt at temperature {self.temperature:g}"

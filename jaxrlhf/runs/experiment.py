@@ -174,6 +174,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
     Every step compiles under `placement.kernels()` (the splash kernel split over the mesh).
     """
     registry.algorithm(config)  # a registered one (the built-in five: `runs.builtin`)
+    validation.check_values(config)  # every option within its field's bounds, first
     sampled = SampledEval.from_config(config.train)  # checked before any work
     if python_rewards(config.get("reward")) and config.algorithm == "ppo" and config.ppo.reward == "model":
         raise ValueError("reward.fns: PPO scores with its reward model (ppo.reward='model'); set "
@@ -189,7 +190,7 @@ def train_and_evaluate(config, workdir: str | Path, *, should_stop=None, resume_
                              "reward.task_weight, 0 = the folder's model alone)")
         reward_folder.check_folder(folder)  # a classifier folder, before any work
     stops = stopping.from_config(config, sampled)  # {phase: EarlyStop}, checked before any work
-    hooks.check_train(config.train)  # train.hooks import, train.checkpoint_every_s >= 0: before any work
+    hooks.check_train(config.train)  # train.hooks import: before any work
     start = time.perf_counter()
     placement = Placement.from_config(config)
     validation.check_config(config, placement)  # every phase's counts and batch shapes, before any work
@@ -270,7 +271,7 @@ def _run(config, workdir: Path, *, task, placement, sampled, stops, start, shoul
             host_params = placement.fetch(rm_params)
             if main:
                 with _exporting(workdir) as out:
-                    if config.reward_model.get("ensemble", 1) > 1:  # stacked members: one folder each
+                    if config.reward_model.ensemble > 1:  # stacked members: one folder each
                         for k in range(config.reward_model.ensemble):
                             member = jax.tree.map(lambda x: x[k], host_params)
                             _export_merged(rm_model, member, out / f"member{k}")

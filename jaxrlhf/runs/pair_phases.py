@@ -81,8 +81,8 @@ def reward_model_phase(cfg, train, *, policy_model, policy_params, task: Task, w
                                                       placement=placement)
     rcfg = library_config("reward_model", cfg, task)
     keys = dpo.PAIR_KEYS
-    size = cfg.get("ensemble", 1)
-    reduce = reward_model.check_reduce(cfg.get("ensemble_reduce", "mean")) if size > 1 else None
+    size = cfg.ensemble
+    reduce = reward_model.check_reduce(cfg.ensemble_reduce) if size > 1 else None
 
     def evaluate(eval_step, p):
         return {prefix + k: v for prefix, test in held_out.items()

@@ -247,7 +247,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
 def _completions(train, writer, phase: str, params_of, *, with_advantage: bool = True):
     """`_rl_step`'s `completions` of a phase: `(every, sink(rows, step), params_of(state) ->
     the reward model's params, with_advantage)`, or None with `train.log_completions_every` 0."""
-    every = train.get("log_completions_every", 0)
+    every = train.log_completions_every
     if not every:
         return None
     return every, functools.partial(writer.write_completions, phase=phase), params_of, with_advantage

@@ -36,7 +36,6 @@ from jaxrlhf.runs.tasks import Task
 
 log = logging.getLogger("jaxrlhf")
 
-PAIR_SOURCES = ("task", "policy", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,26 +52,19 @@ class PolicyPairsConfig:
     @classmethod
     def from_config(cls, cfg) -> "PolicyPairsConfig | None":
         """From the `reward_model` section (`pairs`, `samples_per_prompt`, `temperature`,
-        `num_prompts`); None when there are no on-policy pairs (`samples_per_prompt=0`, only
-        with `pairs="task"`). Errors name the field."""
-        source = cfg.get("pairs", "task")
-        if source not in PAIR_SOURCES:
-            raise ValueError(f"reward_model.pairs={source!r}; expected one of {PAIR_SOURCES} ('task': the task's "
-                             "synthetic pairs, 'policy': pairs of the policy's own samples ranked by the task's "
-                             "reward, 'both')")
-        k, t, n = cfg.get("samples_per_prompt", 0), cfg.get("temperature", 1.0), cfg.get("num_prompts", 0)
+        `num_prompts`, each within its field's bounds: `runs.sections.RewardModelRun`); None
+        when there are no on-policy pairs (`samples_per_prompt=0`, only with `pairs="task"`).
+        A pair needs a right and a wrong sample of one prompt: `samples_per_prompt` is 0 or
+        >= 2, and > 0 when `pairs` samples the policy; errors name the field."""
+        source, k = cfg.pairs, cfg.samples_per_prompt
         if source == "task" and k == 0:
             return None
-        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        if k < 2:
             need = "" if source == "task" else f" (reward_model.pairs={source!r} samples the policy)"
             raise ValueError(f"reward_model.samples_per_prompt={k!r}: expected 0 (no on-policy pairs) or an integer "
                              f">= 2 (a pair needs a right and a wrong sample of one prompt){need}")
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise ValueError(f"reward_model.temperature={t!r}: expected a number > 0 (greedy decoding gives "
-                             "one response per prompt, no pairs)")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"reward_model.num_prompts={n!r}: expected an integer >= 0 (0 = every training prompt)")
-        return cls(samples_per_prompt=k, temperature=float(t), num_prompts=n, train=source != "task")
+        return cls(samples_per_prompt=k, temperature=float(cfg.temperature), num_prompts=cfg.num_prompts,
+                   train=source != "task")
 
 
 def pairs_from_samples(prompt_ids_NxP, prompt_mask_NxP, response_ids_NkxT, response_mask_NkxT, correct_Nxk) -> dict:
@@ -192,5 +184,5 @@ def phase_pairs(cfg, train, *, policy_model, policy_params, task: Task, rng, pla
     return pairs, held_out, stats
 
 
-__all__ = ["PAIR_SOURCES", "PolicyPairsConfig", "concat_pairs", "pairs_from_samples", "phase_pairs", "sample_pairs",
+__all__ = ["PolicyPairsConfig", "concat_pairs", "pairs_from_samples", "phase_pairs", "sample_pairs",
            "training_prompts"]

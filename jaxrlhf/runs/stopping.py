@@ -167,6 +167,6 @@ def from_config(config, sampled=None) -> dict[str, EarlyStop]:
         if metric not in metrics:
             raise ValueError(f"train.stop_metric={metric!r} is not a metric of the {name} phase's evaluation; "
                              f"it reports {', '.join(sorted(metrics))}")
-    rule = dict(metric=metric, mode=t.get("stop_mode", "max"), patience=t.get("stop_patience", 0),
-                min_delta=float(t.get("stop_min_delta", 0.0)), keep_best=bool(t.get("keep_best", False)))
+    rule = dict(metric=metric, mode=t.stop_mode, patience=t.stop_patience, min_delta=float(t.stop_min_delta),
+                keep_best=bool(t.keep_best))
     return {name: EarlyStop(**rule) for name in names}

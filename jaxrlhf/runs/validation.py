@@ -104,7 +104,7 @@ def lora_phases(config) -> tuple[str, ...]:
         quant.check_kind(section.get("quantize", "none"), rank=section.rank)
     if section is None or lora.from_section(section) is None:
         return ()
-    if "reward_model" in plan(config) and config.reward_model.get("sft_steps", 0) > 0:
+    if "reward_model" in plan(config) and config.reward_model.sft_steps > 0:
         raise ValueError(f"reward_model.sft_steps={config.reward_model.sft_steps} trains the reward model's trunk in "
                          "full, and model.lora is on: set reward_model.sft_steps=0 (or model.lora.rank=0)")
     available = plan(config)
@@ -117,7 +117,7 @@ def lora_phases(config) -> tuple[str, ...]:
         raise ValueError(f"ppo.critic_path={config.ppo.critic_path!r}: a critic from a checkpoint has a trunk of its "
                          "own, and model.lora trains PPO's critic as adapters on the actor's base; set "
                          "ppo.critic_path=None or leave ppo out of model.lora.phases")
-    if "reward_model" in names and config.reward_model.get("ensemble", 1) > 1:
+    if "reward_model" in names and config.reward_model.ensemble > 1:
         raise ValueError(f"reward_model.ensemble={config.reward_model.ensemble}: an ensemble of LoRA reward models "
                          "is not supported; set reward_model.ensemble=1 or leave reward_model out of model.lora.phases")
     return names

@@ -127,12 +127,24 @@ def test_sampled_eval_is_off_by_default_and_reads_the_config():
     (dict(eval_samples=4, eval_k="1,8"), r"train\.eval_k='1,8' with train\.eval_samples=4: every k must be in"),
     (dict(eval_samples=4, eval_k="0,2"), r"train\.eval_k='0,2'.*every k must be in \[1, n=4\]"),
     (dict(eval_samples=4, eval_k="1,two"), r"train\.eval_k='1,two': expected comma-separated integers"),
-    (dict(eval_samples=-1), r"train\.eval_samples=-1: expected an integer >= 0"),
-    (dict(eval_samples=4, eval_k="1", eval_temperature=0.0), r"train\.eval_temperature=0\.0: expected a number > 0"),
 ])
 def test_sampled_eval_config_errors_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         SampledEval.from_config(_train(**fields))
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(eval_samples=-1), r"^train\.eval_samples=-1 is impossible: it must be >= 0"),
+    (dict(eval_samples=4, eval_temperature=0.0), r"^train\.eval_temperature=0\.0 is impossible: it must be > 0"),
+])
+def test_the_sampled_evaluation_options_are_bounded_by_their_fields(fields, match):
+    """The bounds of `eval_samples` and `eval_temperature` are their fields' (`TrainConfig`),
+    checked with every other option before any work."""
+    from jaxrlhf import options
+    from jaxrlhf.runs.sections import TrainConfig
+
+    with pytest.raises(ValueError, match=match):
+        options.check_values((TrainConfig,), _train(**fields), "train.")
 
 
 def test_tensorboard_tags_of_the_sampled_metrics_are_legal():
