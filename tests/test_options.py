@@ -30,7 +30,7 @@ def _config(name: str):
     return module.get_config("tiny")
 
 
-BASE = {"grpo": {"beta": 0.1}}  # kl_target (changed below) adapts a β > 0
+BASE = {"grpo": {"beta": 0.1}, "opd": {"beta": 0.1}}  # kl_target (changed below) adapts a β > 0
 
 
 def _changed(entry: options.Entry):

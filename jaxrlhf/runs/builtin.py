@@ -1,4 +1,4 @@
-"""The five built-in phases and algorithms, registered like any other (`runs.registry`).
+"""The six built-in phases and algorithms, registered like any other (`runs.registry`).
 
 - `sft`:          SFT on the task.
 - `grpo`:         (SFT warm start if `sft.steps > 0`) -> GRPO family on the task's reward.
@@ -9,9 +9,11 @@
                   1 it is K members, PPO scoring with their `ensemble_reduce`d score.
 - `dpo`:          (SFT warm start) -> DPO on preference pairs.
 - `reward_model`: (SFT warm start) -> Bradley–Terry reward model on preference pairs.
+- `opd`:          (SFT warm start) -> on-policy distillation from a frozen teacher folder
+                  (`opd.teacher_path`, `algorithms.opd`) on the task's prompts.
 
 Each phase's RNG stream is the number it always had (sft 1, grpo 2, reward_model 3, ppo
-4, dpo 5; the reward model's own trunk 6), so results do not depend on the registry.
+4, dpo 5; the reward model's own trunk 6; opd 7), so results do not depend on the registry.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections as mlc
 
-from jaxrlhf import exits, ops
+from jaxrlhf import exits, ops, options
+from jaxrlhf import rewards as rewards_lib
+from jaxrlhf.algorithms import opd, timing
 from jaxrlhf.models import lora
+from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.runs import pair_phases, phases, sections, setup, stopping
+from jaxrlhf.runs.loop import run_phase
+from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.registry import Algorithm, Phase, Run, policy_plan, register
 
 log = logging.getLogger("jaxrlhf")
@@ -110,6 +117,62 @@ def _run_dpo(run: Run) -> None:
     run.params, run.extras["dpo_heldout_pairs"] = pair_phases.dpo_phase(c.dpo, c.train, **policy_args(run, DPO))
 
 
+def _opd_configs(section, task, monitor=None) -> tuple:
+    """`(GRPOConfig, OPDConfig)` of the `opd` section, and its teacher's folder checked
+    against the task's tokenizer (`opd.check_teacher`): before any work."""
+    track = bool(section.track_kl or (monitor is not None and monitor.kl_target is not None))
+    gcfg = options.build(opd.GRPOConfig, section, "opd.", sampling=phases.sampling(section, "opd", task),
+                         track_kl=track)
+    for name in ("dynamic_sampling", "guide_coef"):
+        if getattr(gcfg, name):
+            raise ValueError(f"opd.{name}={section[name]!r}: OPD distils every sampled response; this GRPO option "
+                             "is not used by OPD, turn it off")
+    ocfg = options.build(opd.OPDConfig, section, "opd.")
+    opd.check_teacher(section.teacher_path, task.tokenizer, task.vocab_size)
+    return gcfg, ocfg
+
+
+def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placement=None, eval_fn=None,
+              should_stop=None, early_stop=None):
+    """On-policy distillation (`algorithms.opd`) of the policy `params` from the teacher of
+    `cfg.teacher_path` on the task's prompts; returns `(params, last_metrics)`.
+
+    GRPO's sharded rollout, scoring and update (`phases._rl_step`), the teacher's params
+    in the state (`OPDState.teacher_params`) in the shardings of its own model under the
+    run's rules, read straight into them from its folder; (β > 0) the reference is the
+    policy's start, as in GRPO."""
+    placement = placement or Placement.local()
+    gcfg, ocfg = _opd_configs(cfg, task, train.monitor)
+    teacher, t_params = opd.load_teacher(cfg.teacher_path, model, mesh=placement.mesh, rules=placement.rules,
+                                         runtime={f: getattr(model.config, f) for f in RUNTIME_FIELDS})
+    tx, schedule = phases.optimizer(cfg.optim, "opd.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
+    keys = task.extra_keys
+    batches = phases._batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)},
+                              cfg.prompts_per_step, cfg.seed, placement, "opd.prompts_per_step")
+    p_sh, t_sh = placement.param_shardings(model), placement.param_shardings(teacher)
+    own_reference = gcfg.uses_reference and not lora.has_adapters(params)
+    reward = rewards_lib.as_reward(task.reward)
+    make = lambda p, tp: opd.init_state(p, tx, tp, ref_params=p if own_reference else None, cfg=gcfg)
+    state, state_sh = placement.init_state(make, placement.place(params, p_sh), placement.place(t_params, t_sh),
+                                           params_shardings=p_sh, roles={"teacher_params": t_sh})
+    step = phases._rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward, train,
+                           placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
+                           drop_unscored=True,
+                           completions=phases._completions(train, writer, "opd", lambda s: s.reward_params))
+    state, last = run_phase(
+        phases._phase("opd", cfg, train, show=("distill/reverse_kl", "reward/mean", "eval/accuracy",
+                                               timing.TOKENS_PER_S)),
+        workdir=workdir, state=state, step_fn=step, batches=batches, rng=rng, writer=writer,
+        monitor=phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low),
+        eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None, should_stop=should_stop,
+        **phases._stopping(early_stop, "policy"))
+    return state.policy.params, last
+
+
+def _run_opd(run: Run) -> None:
+    run.params, _ = opd_phase(run.config.opd, run.config.train, **policy_args(run, OPD))
+
+
 # --------------------------------------------------------------------------- shape checks
 
 
@@ -139,6 +202,12 @@ def _grpo_shapes(c, placement) -> None:
                          "grpo.pool_size" if pooled else "grpo.prompts_per_step")
     _split(c.prompts_per_step * c.sampling.num_samples, "grpo.prompts_per_step × grpo.sampling.num_samples",
            {"grpo.num_minibatches": c.num_minibatches, "grpo.num_microbatches": c.num_microbatches})
+
+
+def _opd_shapes(c, placement) -> None:
+    placement.check_rows(c.prompts_per_step, "opd.prompts_per_step")
+    _split(c.prompts_per_step * c.sampling.num_samples, "opd.prompts_per_step × opd.sampling.num_samples",
+           {"opd.num_minibatches": c.num_minibatches, "opd.num_microbatches": c.num_microbatches})
 
 
 def _ppo_shapes(c, placement) -> None:
@@ -200,12 +269,15 @@ def _build_ppo(section, task, monitor):
 PPO = Phase("ppo", sections.PHASE_SECTIONS["ppo"], _run_ppo, stream=4, check_shapes=_ppo_shapes, build=_build_ppo)
 DPO = Phase("dpo", sections.PHASE_SECTIONS["dpo"], _run_dpo, stream=5, check_shapes=batch_shapes("dpo"),
             eval_metrics=_dpo_metrics, build=_builder("dpo"))
+OPD = Phase("opd", sections.PHASE_SECTIONS["opd"], _run_opd, stream=7, check_shapes=_opd_shapes,
+            build=_opd_configs)
 
-register(SFT, REWARD_MODEL, GRPO, PPO, DPO,
+register(SFT, REWARD_MODEL, GRPO, PPO, DPO, OPD,
          Algorithm("sft", lambda config: ("sft",)),
          Algorithm("grpo", policy_plan("grpo")),
          Algorithm("ppo", _ppo_plan),
          Algorithm("dpo", policy_plan("dpo")),
-         Algorithm("reward_model", policy_plan("reward_model"), exports="reward_model"))
+         Algorithm("reward_model", policy_plan("reward_model"), exports="reward_model"),
+         Algorithm("opd", policy_plan("opd")))
 
-__all__ = ["DPO", "GRPO", "PPO", "REWARD_MODEL", "SFT", "batch_shapes", "policy_args"]
+__all__ = ["DPO", "GRPO", "OPD", "PPO", "REWARD_MODEL", "SFT", "batch_shapes", "opd_phase", "policy_args"]

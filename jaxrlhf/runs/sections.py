@@ -20,6 +20,7 @@ from jaxrlhf import options
 from jaxrlhf.algorithms.common import OptimConfig
 from jaxrlhf.algorithms.dpo import DPOConfig
 from jaxrlhf.algorithms.grpo_config import GRPOConfig
+from jaxrlhf.algorithms.opd import OPDConfig
 from jaxrlhf.algorithms.ppo_config import PPOConfig
 from jaxrlhf.algorithms.reward_model import RewardModelConfig
 from jaxrlhf.algorithms.sft import SFTConfig
@@ -113,6 +114,19 @@ class RewardModelRun:
                             "the policy's trunk as it is). Not with model.lora", min=0)
 
 
+@_frozen
+class OPDRun:
+    steps: int = option(100, "iterations: a rollout of prompts_per_step prompts, the teacher's scoring and the "
+                        "updates", min=1)
+    prompts_per_step: int = option(16, "prompts per iteration, sampling.num_samples responses each", min=1)
+    seed: int = _seed()
+    optim: OptimConfig = option(doc="the optimizer (its schedule counts optimizer steps: μ × minibatches per "
+                                "iteration)", factory=OptimConfig)
+    teacher_path: str = option("", "the teacher (required): a local Hugging Face causal-LM folder of any size, e.g. "
+                               "an earlier run's workdir/export; it must share the student's tokenizer (vocabulary "
+                               "sizes may differ by padding), frozen")
+
+
 # A phase's section: its run options and its algorithm's config, in the order a run runs them.
 PHASE_SECTIONS = {
     "sft": (SFTRun, SFTConfig),
@@ -120,6 +134,7 @@ PHASE_SECTIONS = {
     "grpo": (GRPORun, GRPOConfig),
     "ppo": (PPORun, PPOConfig),
     "dpo": (DPORun, DPOConfig),
+    "opd": (OPDRun, GRPOConfig, OPDConfig),
 }
 
 

@@ -59,6 +59,11 @@ def test_tiny_variant_runs_end_to_end(path, tmp_path, compile_cache_dir):
     last phase, left with what a kill -9 while saving step 2 leaves (that step's metrics row,
     an orbax temporary folder) and resumed: its log and results equal the uninterrupted run's."""
     config = _load(path).get_config("tiny")
+    if path.stem == "addition_opd":  # its teacher: a tiny folder with the task's tokenizer
+        from test_opd_run import teacher_folder
+
+        with config.unlocked():
+            config.opd.teacher_path = str(teacher_folder(tmp_path / "teacher"))
     with persistent_compile_cache(compile_cache_dir):  # the resumed run's programs: compiled once
         summary = train_and_evaluate(config, tmp_path / "full")
         full = tmp_path / "full"
@@ -91,7 +96,7 @@ def _assert_time_split(workdir):
     """Every phase's rows carry `time/update_s`, the RL phases' the whole time split
     (finite, >= 0, the parts within the loop's `time/step_s`), tokens/s = the valid
     response tokens over the rollout's seconds."""
-    tokens = {"grpo": "response_tokens", "ppo": "num_tokens"}
+    tokens = {"grpo": "response_tokens", "opd": "response_tokens", "ppo": "num_tokens"}
     for row in map(json.loads, (Path(workdir) / "metrics.jsonl").read_text().splitlines()):
         phase = next(k for k in row if k != "step").split("/")[0]
         names = timing.RL_STEP if phase in tokens else (timing.UPDATE_S,)
