@@ -215,7 +215,7 @@ def test_bad_input_gives_clear_errors():
         dpo.DPOConfig(loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match="label_smoothing"):
         dpo.DPOConfig(label_smoothing=0.5)
-    with pytest.raises(ValueError, match="nll_coef must be >= 0"):
+    with pytest.raises(ValueError, match="nll_coef=-0.1 is impossible: it must be >= 0"):
         dpo.DPOConfig(nll_coef=-0.1)
     batch = _pairs(np.random.default_rng(6), b=6)
     state = dpo.init_state(PARAMS, SGD)

@@ -35,7 +35,7 @@ def _config(**rm):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(ensemble_reduce="max"), r"reward_model.ensemble_reduce='max'; expected one of \('mean', 'min'\)"),
+    (dict(ensemble_reduce="max"), r"reward_model.ensemble_reduce='max' is impossible: it must be one of 'mean', 'min'"),
     (dict(ensemble=0), "reward_model.ensemble=0 is impossible: it must be >= 1"),
     (dict(sft_steps=-1), "reward_model.sft_steps=-1 is impossible: it must be >= 0"),
 ])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxrlhf.runs import registry
 from jaxrlhf.runs import workdir as W
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def _config(name="addition_grpo", **overrides):
 
 
 def _changes(new, old=None, progress=None, **kw):
-    progress = {p: 0 for p in W.PHASES} | (progress or {})
+    progress = {p: 0 for p in registry.PHASES} | (progress or {})
     return {c.key: c for c in W.config_changes(W.record_of(old or _config()), W.record_of(new), progress)}
 
 
