@@ -15,6 +15,24 @@ from jaxrlhf.ops import _checks, _kl, _masked
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
+def _ratio_inputs(fn, logp, old_logp, advantages, mask, agg, is_weights):
+    """The checked `[B, T]` inputs of a ratio loss (`fn` names it in errors), padding zeroed
+    before the exp (garbage there must not reach the ratio or its gradient), and the ratio
+    `exp(logp − old_logp)`: `(logp, old_logp, advantages, mask, is_weights, ratio)`."""
+    logp = _checks.float_array(fn, "logp", logp, ("B", "T"))
+    shape = logp.shape
+    old_logp = _checks.float_like(fn, "old_logp", old_logp, ("B", "T"), "logp", shape)
+    advantages = _checks.float_like(fn, "advantages", advantages, ("B", "T"), "logp", shape)
+    mask = _checks.mask_like(fn, mask, ("B", "T"), "logp", shape)
+    _checks.choice(fn, "agg", agg, _masked.AGGREGATE_MODES)
+    if is_weights is not None:
+        is_weights = _weights(fn, is_weights, mask)
+    logp = jnp.where(mask, logp, 0.0)
+    old_logp = jnp.where(mask, old_logp, 0.0)
+    advantages = jnp.where(mask, advantages, 0.0)
+    return logp, old_logp, advantages, mask, is_weights, jnp.exp(logp - old_logp)
+
+
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,
@@ -62,25 +80,12 @@ def policy_loss(
       `dual_clipfrac` (fraction where the dual clip bound is strictly active).
     """
     fn = "policy_loss"
-    logp = _checks.float_array(fn, "logp", logp, ("B", "T"))
-    shape = logp.shape
-    old_logp = _checks.float_like(fn, "old_logp", old_logp, ("B", "T"), "logp", shape)
-    advantages = _checks.float_like(fn, "advantages", advantages, ("B", "T"), "logp", shape)
-    mask = _checks.mask_like(fn, mask, ("B", "T"), "logp", shape)
-    _checks.choice(fn, "agg", agg, _masked.AGGREGATE_MODES)
     if clip_high is None:
         clip_high = clip_low
     if dual_clip is not None:
         _checks.positive(fn, "dual_clip", dual_clip, above=1.0)
-    if is_weights is not None:
-        is_weights = _weights(fn, is_weights, mask)
-
-    # Zero the padding before exp: garbage there must not reach the ratio or its gradient.
-    logp = jnp.where(mask, logp, 0.0)
-    old_logp = jnp.where(mask, old_logp, 0.0)
-    advantages = jnp.where(mask, advantages, 0.0)
-
-    ratio = jnp.exp(logp - old_logp)
+    logp, old_logp, advantages, mask, is_weights, ratio = _ratio_inputs(fn, logp, old_logp, advantages, mask, agg,
+                                                                        is_weights)
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = jnp.maximum(unclipped, clipped)
@@ -156,22 +161,10 @@ def cispo_loss(
       `ratio_mean`, `ratio_min`, `ratio_max` (as in `policy_loss`).
     """
     fn = "cispo_loss"
-    logp = _checks.float_array(fn, "logp", logp, ("B", "T"))
-    shape = logp.shape
-    old_logp = _checks.float_like(fn, "old_logp", old_logp, ("B", "T"), "logp", shape)
-    advantages = _checks.float_like(fn, "advantages", advantages, ("B", "T"), "logp", shape)
-    mask = _checks.mask_like(fn, mask, ("B", "T"), "logp", shape)
-    _checks.choice(fn, "agg", agg, _masked.AGGREGATE_MODES)
     _checks.positive(fn, "clip_low", clip_low)
     _checks.positive(fn, "clip_high", clip_high)
-    if is_weights is not None:
-        is_weights = _weights(fn, is_weights, mask)
-
-    logp = jnp.where(mask, logp, 0.0)
-    old_logp = jnp.where(mask, old_logp, 0.0)
-    advantages = jnp.where(mask, advantages, 0.0)
-
-    ratio = jnp.exp(logp - old_logp)
+    logp, old_logp, advantages, mask, is_weights, ratio = _ratio_inputs(fn, logp, old_logp, advantages, mask, agg,
+                                                                        is_weights)
     lower, upper = 1.0 - clip_low, 1.0 + clip_high
     coef = jax.lax.stop_gradient(jnp.clip(ratio, lower, upper)) * advantages
     if is_weights is not None:

@@ -79,6 +79,8 @@ class PPORun:
 
 @_frozen
 class DPORun:
+    """The run options of a phase on preference pairs (DPO's; the reward model's add theirs)."""
+
     steps: int = option(100, "steps of one batch of pairs each", min=1)
     batch_size: int = option(32, "preference pairs per step", min=1)
     seed: int = _seed()
@@ -86,11 +88,7 @@ class DPORun:
 
 
 @_frozen
-class RewardModelRun:
-    steps: int = option(100, "steps of one batch of pairs each", min=1)
-    batch_size: int = option(32, "preference pairs per step", min=1)
-    seed: int = _seed()
-    optim: OptimConfig = option(doc="the optimizer", factory=OptimConfig)
+class RewardModelRun(DPORun):
     pairs: str = option("task", "the training pairs: 'task' (the task's synthetic pairs), 'policy' (the policy's "
                         "own samples ranked by the task's reward, `runs.policy_pairs`) or 'both' (the two sets "
                         "together)", choices=PAIR_SOURCES)
