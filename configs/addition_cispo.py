@@ -13,7 +13,9 @@ The one change the algorithm needs besides: two minibatches per rollout batch
 (`grpo.num_minibatches=2`, so 3,000 optimizer steps over the run, which the learning-rate
 schedule counts). With a single update per batch the policy being updated is the rollout
 policy, the ratio is exactly 1, and CISPO is plain REINFORCE with GRPO's advantages
-(GRPOConfig warns).
+(GRPOConfig warns). With two minibatches the health monitor's `[sampler_logp]` line can
+fire: GRPO's `logp_mismatch` is the max over the update's steps, so it includes the second
+minibatch's drift from the first's update (docs/grpo.md#metrics), not only the sampler's.
 
 Result: not yet measured (benchmarks/learning_43.py runs seeds 0 / 1 / 2 of this config
 beside addition_grpo.py and writes the table to docs/results.md).
