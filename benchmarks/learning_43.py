@@ -63,15 +63,17 @@ def table(results: dict[tuple[str, int], dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def section(markdown_table: str, *, variant: str, seeds, when: str, machine: str) -> str:
-    """The results.md section between the markers."""
+def section(markdown_table: str, *, variant: str, seeds, when: str, machine: str, configs=CONFIGS,
+            note: str = "") -> str:
+    """The results.md section between the markers (`note`: a paragraph after the table)."""
+    chosen = "" if tuple(configs) == CONFIGS else f" --configs {','.join(configs)}"
     return (f"{BEGIN}\n## Issue 43: CISPO, GDPO and REINFORCE++-baseline beside GRPO\n\n"
-            f"    python benchmarks/learning_43.py{' --variant ' + variant if variant else ''} "
+            f"    python benchmarks/learning_43.py{' --variant ' + variant if variant else ''}{chosen} "
             f"--seeds {' '.join(map(str, seeds))} --write docs/results.md\n\n"
             f"Each config{' (variant ' + variant + ')' if variant else ''} run with `--config.seed=N`, measured {when} on {machine}; held-out greedy "
             "exact match on the test sums at the last evaluation of each run. The configs differ from "
             "addition_grpo.py only where the algorithm needs it (their docstrings).\n\n"
-            f"{markdown_table}{END}\n")
+            f"{markdown_table}{chr(10) + note + chr(10) if note else ''}{END}\n")
 
 
 def write(path: Path, text: str) -> None:
@@ -93,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--variant", default="", help="a config variant, e.g. 'tiny' ('': the full runs)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/learning_43"), help="the runs' workdirs")
     ap.add_argument("--write", type=Path, default=None, help="a markdown file to put the table in (docs/results.md)")
+    ap.add_argument("--note", default="", help="a paragraph written under the table (with --write)")
     args = ap.parse_args(argv)
     results = {(name, seed): run(name, seed, args.variant, args.out)
                for name in args.configs.split(",") for seed in args.seeds}
@@ -101,7 +104,8 @@ def main(argv=None):
     if args.write is not None:
         when = datetime.date.today().isoformat()
         write(args.write, section(markdown, variant=args.variant, seeds=args.seeds, when=when,
-                                  machine=f"{platform.machine()} with {os.cpu_count()} CPUs"))
+                                  machine=f"{platform.machine()} with {os.cpu_count()} CPUs",
+                                  configs=args.configs.split(","), note=args.note))
     return results
 
 
