@@ -1,4 +1,5 @@
-"""The GRPO family as pure functions: GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++.
+"""The GRPO family as pure functions: GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++ (and
+its group-baseline form), CISPO, GDPO.
 
 All of them sample `G` responses per prompt, score them, turn the scores into critic-free
 advantages and take clipped policy-gradient steps (docs/concepts.md#the-algorithms). They
@@ -8,8 +9,13 @@ differ only in options of one `GRPOConfig` (see `preset`):
   (no std, Liu et al. 2025, arXiv:2503.20783), leave-one-out "rloo" (Ahmadian et al.
   2024, arXiv:2402.14740), or "reinforce_pp": sequence scores broadcast to their tokens
   and whitened over the whole batch, no group baseline (REINFORCE++, Hu 2025,
-  arXiv:2501.03262; here the KL stays in the loss, as in GRPO).
-- loss: `ops.policy_loss` with clip-higher and dual clip, any `ops.aggregate` mode, plus
+  arXiv:2501.03262; here the KL stays in the loss, as in GRPO), "reinforce_pp_baseline"
+  (the group mean out, then whitened over the batch), or "gdpo": each reward component
+  z-scored in its group, then the weighted sum whitened over the batch (GDPO, Liu et al.
+  2026, arXiv:2601.05242).
+- loss: `ops.policy_loss` with clip-higher and dual clip, or `policy_loss="cispo"`:
+  `ops.cispo_loss`, REINFORCE weighted by the clipped, stop-gradient ratio (CISPO,
+  MiniMax-M1, arXiv:2506.13585), any `ops.aggregate` mode, plus
   `β·agg(k3)` to a frozen reference (β = 0: no reference model at all) and an entropy bonus.
   `kl_in="reward"` moves the KL into the score instead (`kl_terms.sequence_reward`), and a
   `kl_target` adapts β (`kl_controller`).
@@ -142,20 +148,32 @@ class Batch(NamedTuple):
 
 
 def compute_advantages(scores: jax.Array, cfg: GRPOConfig, response_mask: jax.Array, *,
-                       scored: jax.Array | None = None) -> jax.Array:
+                       scored: jax.Array | None = None,
+                       components: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Per-token advantages `[N, T]` from sequence scores `[N]` (groups contiguous).
 
     `cfg.advantage` names the estimator (`algorithms.advantages`): the group methods
     `ops.group_advantages(scores, G, method, eps=cfg.adv_eps, mask=scored)` broadcast to the
     valid tokens; "reinforce_pp": `ops.whiten` of the broadcast scores over the batch; or a
     registered one. `scored` `[N]` bool (None: all): the rows that have a score; the others get 0
-    and are left out of every baseline (`Reward.scored`).
+    and are left out of every baseline (`Reward.scored`). `components=(scores_NxK,
+    weights_K)`: the reward's components and weights (`reward_components`), which "gdpo"
+    (`ops.gdpo_advantages`) normalises apart; the other estimators ignore them.
     """
     scores = jnp.asarray(scores, jnp.float32)
     if scores.ndim != 1 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"compute_advantages: scores must be [N] with N = response_mask.shape[0] = "
                          f"{response_mask.shape[0]}, got {scores.shape}")
-    return advantages.estimate(cfg.advantage, scores, response_mask, cfg, scored)
+    return advantages.estimate(cfg.advantage, scores, response_mask, cfg, scored, components=components)
+
+
+def reward_components(reward: rewards_lib.Reward, scores: dict) -> tuple[jax.Array, jax.Array]:
+    """`(scores_NxK, weights_K)`: each component's `[N]` scores, unweighted (a host
+    component's missing score, its function's None, as 0: what `Reward.total` adds), and
+    the components' weights, so that `scores_NxK @ weights_K` is `reward.total(scores)`."""
+    columns = [jnp.asarray(scores[c.name], jnp.float32) for c in reward.components]
+    scores_NxK = jnp.stack([jnp.where(jnp.isnan(x), 0.0, x) for x in columns], axis=1)
+    return scores_NxK, jnp.asarray([c.weight for c in reward.components], jnp.float32)
 
 
 # --------------------------------------------------------------------------- loss
@@ -178,6 +196,20 @@ def importance_logp(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, *, le
     return jnp.where(mask, old_logp + mean_diff[:, None], logp)
 
 
+def policy_term(logp: jax.Array, old_logp: jax.Array, advantages_NxT: jax.Array, mask: jax.Array,
+                cfg: GRPOConfig) -> tuple[jax.Array, dict]:
+    """The policy-gradient term of the loss and its metrics (`clipfrac`, `approx_kl`,
+    `ratio_mean/min/max`): `cfg.policy_loss` "clip", `ops.policy_loss` (clip-higher, dual
+    clip), or "cispo", `ops.cispo_loss` with ε_low = `clip_low`, ε_high = `clip_high`
+    (None: `clip_low`); aggregated by `cfg.agg`."""
+    agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len)
+    if cfg.policy_loss == "cispo":
+        high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
+        return ops.cispo_loss(logp, old_logp, advantages_NxT, mask, clip_low=cfg.clip_low, clip_high=high, **agg)
+    return ops.policy_loss(logp, old_logp, advantages_NxT, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                           dual_clip=cfg.dual_clip, **agg)
+
+
 def loss_fn(
     params,
     batch: Batch,
@@ -193,9 +225,10 @@ def loss_fn(
 ) -> tuple[jax.Array, dict]:
     """The GRPO-family loss of one (micro)batch:
 
-        L = agg(l_clip(ρ, A)) + β·agg(kl(logp, ref_logp)) − c_ent·agg(entropy) + c_guide·NLL_guide
+        L = agg(l_pg(ρ, A)) + β·agg(kl(logp, ref_logp)) − c_ent·agg(entropy) + c_guide·NLL_guide
 
-    with `ρ` per token or per sequence (`cfg.ratio_level`), the KL term only with
+    with `l_pg` the clipped surrogate or CISPO's (`policy_term`), `ρ` per token or per
+    sequence (`cfg.ratio_level`), the KL term only with
     `cfg.kl_in == "loss"` (`kl_terms.loss_term`; `beta`: this iteration's β, None =
     `cfg.beta`). Given `total_tokens` (valid
     tokens of the whole minibatch) and `total_seqs`, the loss is scaled to this chunk's
@@ -218,9 +251,7 @@ def loss_fn(
                                             group_size=group_size, dropout_rng=dropout_rng)
     old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
     ratio_logp = importance_logp(logp, old_logp, mask, level=cfg.ratio_level)
-    agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len)
-    pg_loss, pg = ops.policy_loss(ratio_logp, old_logp, batch.advantages, mask, clip_low=cfg.clip_low,
-                                  clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **agg)
+    pg_loss, pg = policy_term(ratio_logp, old_logp, batch.advantages, mask, cfg)
     loss = pg_loss
     metrics = dict(pg, policy_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
     if cfg.beta > 0 and batch.ref_logp is None:
@@ -325,6 +356,9 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     arrays, repeated per sample) beside its host ones' `host_scores` (`{name: [N]}`), then
     (overlong penalty) → (dynamic selection) → old/ref log-probs → (KL in the reward,
     `kl_terms.sequence_reward`) → advantages: the update's `Batch` and the rollout's metrics.
+    An estimator of `advantages.PER_COMPONENT` ("gdpo") gets the reward's components
+    (`reward_components`), the shaping (overlong penalty, KL in the reward) as one more of
+    weight 1 when there is any.
     With `guide_coef` > 0 the extras must hold `guide.GUIDE_KEYS`: the batch then carries the
     references of the (kept) groups whose best total score is below `guide_below`
     (`guide/failed_fraction` in the metrics).
@@ -348,6 +382,8 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
               **host_scores}
     total = reward.total(scores)
     scored = None if reward.is_jax else reward.scored(scores)  # only a host reward leaves rows unscored
+    per_component = cfg.advantage in advantages.PER_COMPONENT
+    comps_NxK, weights_K = reward_components(reward, scores) if per_component else (None, None)
     lengths = out.response_mask.sum(axis=1)
     metrics = dict(reward.metrics(scores))
     metrics.update({"reward/mean": jnp.mean(total, where=scored), "reward/std": jnp.std(total, where=scored),
@@ -366,6 +402,7 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         scored = None if scored is None else scored[sel.indices]
         shaped = shaped[sel.indices]
         total = total[sel.indices]
+        comps_NxK = None if comps_NxK is None else comps_NxK[sel.indices]
         extras_N = {k: v[sel.indices] for k, v in extras_N.items()}
         metrics.update({"dynamic/kept_fraction": sel.kept_fraction, "dynamic/signal_fraction": sel.signal_fraction})
     mask = out.response_mask
@@ -387,7 +424,14 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     if scored is not None:
         metrics["reward/dropped"] = jnp.sum(~scored)
         mask = mask * scored[:, None].astype(mask.dtype)
-    adv = compute_advantages(shaped, cfg, mask, scored=scored)
+    components = None
+    if per_component:
+        if cfg.overlong_max_len is not None or (cfg.kl_in == "reward" and cfg.beta > 0):
+            # the score's shaping (overlong penalty, KL in the reward) as one more component, weight 1
+            comps_NxK = jnp.concatenate([comps_NxK, (shaped - total)[:, None]], axis=1)
+            weights_K = jnp.concatenate([weights_K, jnp.ones((1,), jnp.float32)])
+        components = (comps_NxK, weights_K)
+    adv = compute_advantages(shaped, cfg, mask, scored=scored, components=components)
     if cfg.dynamic_sampling:
         adv = jnp.where(jnp.repeat(sel.has_signal, g)[:, None], adv, 0.0)
     zero_group = jnp.all((adv == 0).reshape(n // g, -1), axis=1)  # n = K·G always
@@ -424,6 +468,7 @@ def split(model: Transformer, tx: optax.GradientTransformation, cfg: GRPOConfig,
     """The iteration as `timing.Split(rollout, score, train)` (pure functions, not jitted):
     `make_iteration` and the command line's sharded step (`runs.phases`) jit them."""
     reward = rewards_lib.as_reward(reward)
+    advantages.check_reward(cfg.advantage, reward)
     return timing.Split(timing.count_tokens(functools.partial(rollout, model=model, cfg=cfg)),
                         functools.partial(score, model=model, cfg=cfg, reward=reward),
                         functools.partial(train, model=model, tx=tx, cfg=cfg, schedule=schedule))
@@ -508,5 +553,5 @@ def _key(rng):
 
 
 __all__ = ["ADVANTAGES", "RATIO_LEVELS", "Batch", "GRPOConfig", "GRPOState", "GroupSelection", "compute_advantages",
-           "current_beta", "importance_logp", "init_state", "loss_fn", "make_iteration", "overlong_penalty", "preset", "rollout",
-           "score", "select_groups", "split", "train", "update"]
+           "current_beta", "importance_logp", "init_state", "loss_fn", "make_iteration", "overlong_penalty", "policy_term",
+           "preset", "reward_components", "rollout", "score", "select_groups", "split", "train", "update"]

@@ -1,18 +1,21 @@
 """The GRPO family's options: `GRPOConfig` (validated on construction) and the named
-variants of `preset` (GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++); the algorithm itself
+variants of `preset` (GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++ and its group-baseline
+form, CISPO, GDPO); the algorithm itself
 is `algorithms.grpo`, which re-exports both."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import advantages, kl_controller, kl_terms
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.options import check, option
 
-ADVANTAGES = advantages.names()  # the built-in four; `advantages.register_advantage` adds more
+ADVANTAGES = advantages.names()  # the built-in six; `advantages.register_advantage` adds more
 RATIO_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("clip", "cispo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +30,10 @@ class GRPOConfig:
                             "(s − mean_g)/(std_g + adv_eps)), 'dr_grpo' (no std division: s − mean_g), 'rloo' "
                             "(leave-one-out: s_i less the mean of the group's others), 'reinforce_pp' (`ops.whiten` "
                             "of the scores broadcast to tokens over the batch: no group baseline, G may be 1), "
-                            "'reinforce_pp_baseline' (the group mean subtracted, then whitened over the batch), or "
-                            "one registered with register_advantage", choices=advantages.names)
+                            "'reinforce_pp_baseline' (the group mean subtracted, then whitened over the batch), 'gdpo' "
+                            "(each reward component z-scored in its group, the weighted sum whitened over the batch: "
+                            "needs a reward of >= 2 weighted components), or one registered with register_advantage",
+                            choices=advantages.names)
     adv_eps: float = option(1e-6, "ε of 'grpo' advantages (s − mean)/(std + ε) (TRL uses 1e-4)", min=0)
     beta: float = option(0.0, "β, the weight of the KL to the reference; 0 (and no track_kl) needs no reference "
                          "model: ref_logp is never computed", min=0)
@@ -42,7 +47,12 @@ class GRPOConfig:
     kl_target: float | None = option(None, "None: a fixed β; else the target KL (nats per response) of the adaptive "
                                      "controller, which starts at beta (needs beta > 0)", above=0)
     kl_horizon: int = option(10_000, "the adaptive KL controller's horizon in samples", min=1)
-    clip_low: float = option(0.2, "ε_low of the clipped ratio", above=0)
+    policy_loss: str = option("clip", "the policy-gradient term: 'clip' (PPO/GRPO's clipped surrogate, "
+                              "`ops.policy_loss`: a clipped token gets no gradient) or 'cispo' (CISPO, `ops.cispo_loss`: "
+                              "REINFORCE weighted by the stop-gradient ratio clipped to [1 − clip_low, 1 + clip_high], "
+                              "every token keeps its gradient; the ratio moves off 1 only with num_iterations or "
+                              "num_minibatches > 1, else it is plain REINFORCE)", choices=POLICY_LOSSES)
+    clip_low: float = option(0.2, "ε_low of the clipped ratio ('cispo': 1 or more = no lower bound)", above=0)
     clip_high: float | None = option(None, "ε_high of the clipped ratio (DAPO's clip-higher: > clip_low); None: "
                                      "clip_low", above=0)
     dual_clip: float | None = option(None, "c > 1 bounds the loss of negative-advantage tokens by −c·A; None: off",
@@ -103,6 +113,17 @@ class GRPOConfig:
             fail("prompts_per_step selects groups from an oversampled pool: it needs dynamic_sampling=True")
         if self.overlong_max_len is not None and not self.overlong_cache < self.overlong_max_len:
             fail(f"overlong_cache must be in [0, overlong_max_len={self.overlong_max_len}), got {self.overlong_cache}")
+        if self.policy_loss == "cispo":
+            if self.dual_clip is not None:
+                fail(f"dual_clip={self.dual_clip} bounds the clipped surrogate's loss; policy_loss='cispo' has none "
+                     "to bound: set dual_clip=None")
+            if self.ratio_level != "token":
+                fail("policy_loss='cispo' weights each token's log-prob by its own clipped ratio: ratio_level must "
+                     f"be 'token', got {self.ratio_level!r}")
+            if self.reuses_rollout_logp:
+                warnings.warn("GRPOConfig: policy_loss='cispo' with num_iterations=1 and num_minibatches=1 updates "
+                              "the rollout policy itself, so its ratio is always 1: it is plain REINFORCE with these "
+                              "advantages. Use num_minibatches >= 2 (or num_iterations >= 2).", stacklevel=3)
 
     @property
     def uses_reference(self) -> bool:
@@ -157,13 +178,21 @@ _PRESETS = {
     "rloo": dict(advantage="rloo", agg="seq-mean-token-mean", beta=0.0, num_iterations=1),
     # REINFORCE++: global whitening of the sequence scores, token-level loss.
     "reinforce_pp": dict(advantage="reinforce_pp", agg="token-mean", beta=0.0),
+    # REINFORCE++-baseline: the group mean out, then whitened over the batch.
+    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", agg="token-mean", beta=0.0),
+    # CISPO (MiniMax-M1): the clipped ratio as a stop-gradient weight, no lower bound
+    # (ε_low = 1), a wide upper one; two minibatches so the ratio leaves 1.
+    "cispo": dict(policy_loss="cispo", advantage="grpo", agg="token-mean", clip_low=1.0, clip_high=4.0, beta=0.0,
+                  num_minibatches=2),
+    # GDPO: each reward component normalised in its group, then the weighted sum over the batch.
+    "gdpo": dict(advantage="gdpo", agg="token-mean", beta=0.0),
 }
 
 
 def preset(name: str, sampling: SamplingConfig, **overrides) -> GRPOConfig:
     """A `GRPOConfig` for a named variant ("grpo", "dr_grpo", "dapo", "gspo", "rloo",
-    "reinforce_pp"); `overrides` change any field. "dapo" also turns on the overlong
-    penalty with `overlong_max_len = max_new_tokens`, `overlong_cache = max_new_tokens // 5`.
+    "reinforce_pp", "reinforce_pp_baseline", "cispo", "gdpo"); `overrides` change any
+    field. "dapo" also turns on the overlong penalty with `overlong_max_len = max_new_tokens`, `overlong_cache = max_new_tokens // 5`.
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; expected one of {tuple(_PRESETS)}")
@@ -175,4 +204,4 @@ def preset(name: str, sampling: SamplingConfig, **overrides) -> GRPOConfig:
     return GRPOConfig(sampling=sampling, **fields)
 
 
-__all__ = ["ADVANTAGES", "RATIO_LEVELS", "GRPOConfig", "preset"]
+__all__ = ["ADVANTAGES", "POLICY_LOSSES", "RATIO_LEVELS", "GRPOConfig", "preset"]

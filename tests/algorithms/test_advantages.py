@@ -45,5 +45,5 @@ def test_the_command_line_takes_a_registered_name_and_lists_them_for_another(med
     classes = sections.PHASE_SECTIONS["grpo"]
     options.check_values(classes, config_base.grpo(advantage="median"), "grpo.")
     with pytest.raises(ValueError, match=r"^grpo.advantage='nope' is impossible: it must be one of 'grpo', "
-                                         r"'dr_grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'median'"):
+                                         r"'dr_grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'gdpo', 'median'"):
         options.check_values(classes, config_base.grpo(advantage="nope"), "grpo.")
