@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -209,21 +208,5 @@ def check_teacher(path: str, tokenizer, student_vocab: int, *, field: str = "opd
     return raw
 
 
-def load_teacher(path: str, student: Transformer, *, mesh, rules, runtime: dict | None = None):
-    """`(teacher, params)` from the folder `path`, a causal LM in the student's dtypes (and
-    `runtime`: the `models.config.RUNTIME_FIELDS` of the run's model section), its head
-    fused (`fused_head`), read straight into `mesh`'s shardings under `rules`."""
-    from jaxrlhf.parallel.loading import load_pretrained_sharded
-
-    c = student.config
-    runtime = dict(runtime or {}, logprobs_head="chunked")
-    teacher, params = load_pretrained_sharded(os.fspath(path), mesh, rules, on_indivisible="replicate", head="lm",
-                                              dtype=c.dtype, param_dtype=c.param_dtype, **runtime)
-    log.info("OPD teacher from %s: %d layers, hidden size %d, vocabulary %d (the student's: %d layers, hidden size "
-             "%d, vocabulary %d)", path, teacher.config.num_layers, teacher.config.hidden_size,
-             teacher.config.vocab_size, c.num_layers, c.hidden_size, c.vocab_size)
-    return teacher, params
-
-
-__all__ = ["OPDConfig", "OPDState", "OUTSIDE_LOGP", "check_teacher", "fused_head", "init_state", "load_teacher",
+__all__ = ["OPDConfig", "OPDState", "OUTSIDE_LOGP", "check_teacher", "fused_head", "init_state",
            "score", "split", "teacher_logprobs"]

@@ -30,6 +30,8 @@ from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import opd, timing
 from jaxrlhf.models import lora
 from jaxrlhf.models.config import RUNTIME_FIELDS
+from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.parallel.loading import load_pretrained_sharded
 from jaxrlhf.runs import pair_phases, phases, sections, setup, stopping
 from jaxrlhf.runs.loop import run_phase
 from jaxrlhf.runs.sharding import Placement
@@ -132,6 +134,20 @@ def _opd_configs(section, task, monitor=None) -> tuple:
     return gcfg, ocfg
 
 
+def load_teacher(path: str, student: Transformer, *, mesh, rules, runtime: dict | None = None):
+    """`(teacher, params)` from the folder `path`, a causal LM in the student's dtypes (and
+    `runtime`: the `models.config.RUNTIME_FIELDS` of the run's model section), its head
+    fused (`opd.fused_head`), read straight into `mesh`'s shardings under `rules`."""
+    c = student.config
+    runtime = dict(runtime or {}, logprobs_head="chunked")
+    teacher, params = load_pretrained_sharded(os.fspath(path), mesh, rules, on_indivisible="replicate", head="lm",
+                                              dtype=c.dtype, param_dtype=c.param_dtype, **runtime)
+    log.info("OPD teacher from %s: %d layers, hidden size %d, vocabulary %d (the student's: %d layers, hidden size "
+             "%d, vocabulary %d)", path, teacher.config.num_layers, teacher.config.hidden_size,
+             teacher.config.vocab_size, c.num_layers, c.hidden_size, c.vocab_size)
+    return teacher, params
+
+
 def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placement=None, eval_fn=None,
               should_stop=None, early_stop=None):
     """On-policy distillation (`algorithms.opd`) of the policy `params` from the teacher of
@@ -143,7 +159,7 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     policy's start, as in GRPO."""
     placement = placement or Placement.local()
     gcfg, ocfg = _opd_configs(cfg, task, train.monitor)
-    teacher, t_params = opd.load_teacher(cfg.teacher_path, model, mesh=placement.mesh, rules=placement.rules,
+    teacher, t_params = load_teacher(cfg.teacher_path, model, mesh=placement.mesh, rules=placement.rules,
                                          runtime={f: getattr(model.config, f) for f in RUNTIME_FIELDS})
     tx, schedule = phases.optimizer(cfg.optim, "opd.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     keys = task.extra_keys
