@@ -263,17 +263,29 @@ def head_logprobs(config: ModelConfig, params, hidden_BxTxD, targets_BxT, *, tem
     return ops.LinearLogprobs(logp, ent, best)
 
 
-def accumulation_scale(mask_BxT: jax.Array, *, mode: str, total_tokens: jax.Array, total_seqs: int) -> jax.Array:
+def accumulation_scale(mask_BxT: jax.Array, *, mode: str, total_tokens: jax.Array,
+                       total_seqs: int | jax.Array) -> jax.Array:
     """The factor that turns a micro-batch's `ops.aggregate` into its share of the full batch's.
 
     With micro-batches `k` of a batch, `Σ_k scale_k · aggregate(l_k, m_k, mode)` equals
     `aggregate(l, m, mode)` over the whole batch exactly: the token-mean is renormalised by
-    token counts, the sequence means by sequence counts. Summing micro-batch gradients with
-    these weights is thus the full-batch gradient, for every aggregation mode.
+    token counts, the sequence means by sequence counts (`total_seqs`: the batch's rows, or
+    `nonempty_rows` of it, so that a dropped row, all its mask 0, is no sequence at all).
+    Summing micro-batch gradients with these weights is thus the full-batch gradient, for
+    every aggregation mode.
     """
     if mode == "token-mean":
         return jnp.sum(mask_BxT, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
-    return jnp.float32(mask_BxT.shape[0] / total_seqs)
+    if isinstance(total_seqs, int):
+        return jnp.float32(mask_BxT.shape[0] / total_seqs)
+    return jnp.float32(mask_BxT.shape[0]) / jnp.maximum(jnp.asarray(total_seqs, jnp.float32), 1.0)
+
+
+def nonempty_rows(mask_BxT: jax.Array) -> jax.Array:
+    """The rows of `mask_BxT` with at least one valid token (float32 scalar): the sequences
+    of a `seq-mean-*` aggregation when a row dropped from the update (an unscored sample,
+    `Reward.scored`) has its whole mask zeroed."""
+    return jnp.sum(jnp.any(mask_BxT > 0, axis=1), dtype=jnp.float32)
 
 
 def split_microbatches(batch: PyTree, num: int) -> PyTree:

@@ -312,7 +312,8 @@ def update(state: GRPOState, batch: Batch, rng: jax.Array, *, model: Transformer
         guide_tokens = None if mb.guide_mask is None else jnp.sum(mb.guide_mask, dtype=jnp.float32)
         chunk_loss = functools.partial(_chunk_loss, cfg=cfg, model=model, total_tokens=total_tokens,
                                        guide_tokens=guide_tokens,
-                                       total_seqs=mb_size, group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1),
+                                       total_seqs=common.nonempty_rows(mb.response_mask),  # dropped rows: none
+                                       group_size=cfg.prompt_group(mb_size // k, shuffled=m > 1),
                                        beta=current_beta(state, cfg),
                                        dropout=functools.partial(common.dropout_key, model.config, rng, policy.step))
         loss, metrics, grads = common.accumulate_gradients(chunk_loss, policy.params, mb, num_microbatches=k)

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import rewards
-from jaxrlhf.algorithms import kl_controller, scoring, timing
+from jaxrlhf.algorithms import common, kl_controller, scoring, timing
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
@@ -196,7 +196,8 @@ def update(
         actor, critic = carry
         total_tokens = jnp.sum(mb.response_mask, dtype=jnp.float32)
         lf = functools.partial(loss_fn, actor_model=actor_model, critic_model=critic_model, cfg=cfg,
-                               total_tokens=total_tokens, total_seqs=mb_size, beta=state.kl_ctl.beta)
+                               total_tokens=total_tokens, total_seqs=common.nonempty_rows(mb.response_mask),
+                               beta=state.kl_ctl.beta)
         params = {"actor": actor.params, "critic": None if critic is None else critic.params}
 
         def keys(i):  # each role's LoRA dropout key for micro-batch i (None: off)

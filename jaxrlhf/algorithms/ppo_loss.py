@@ -83,11 +83,12 @@ def loss_fn(params, batch: Batch, *, actor_model, critic_model, cfg, total_token
                              **dropout_rngs)
     mask = batch.response_mask
     scale = accumulation_scale(mask, mode=cfg.agg, total_tokens=total_tokens, total_seqs=total_seqs)
-    if cfg.num_microbatches > 1:
-        n = cfg.num_microbatches
-        token_share = jnp.sum(mask, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
-        metrics = {k: v * (scale * n if k in _LOSS_METRICS else token_share * n if k in _TOKEN_METRICS else 1.0)
-                   for k, v in metrics.items()}
+    # With one micro-batch both shares are exactly 1, unless dropped rows (no sequence of a
+    # `seq-mean-*` mode) make the loss's share the scored rows' fraction: weighted all the same.
+    n = cfg.num_microbatches
+    token_share = jnp.sum(mask, dtype=jnp.float32) / jnp.maximum(total_tokens, 1.0)
+    metrics = {k: v * (scale * n if k in _LOSS_METRICS else token_share * n if k in _TOKEN_METRICS else 1.0)
+               for k, v in metrics.items()}
     return loss * scale, metrics
 
 

@@ -532,6 +532,30 @@ def test_rows_no_weighted_reward_scores_are_dropped_from_the_update():
     assert not np.array_equal(jax.tree.leaves(state1.policy.params)[0], jax.tree.leaves(PARAMS)[0])
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"])
+def test_a_dropped_row_is_no_sequence_of_the_loss(agg):
+    """In every aggregation a dropped row (its mask all 0) weighs nothing, not even as an
+    empty sequence of a `seq-mean-*` mode: the update's loss and gradient norm on the batch
+    with dropped rows equal those on the batch of its scored rows alone."""
+    cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4, num_samples=4), beta=0.1, entropy_coef=0.01, agg=agg,
+               share_prompt=False, num_microbatches=1)
+    tx = optax.adam(1e-2)
+    state = grpo.init_state(PARAMS, tx, ref_params=PARAMS)
+    prompts = jnp.asarray(np.random.default_rng(1).integers(4, CFG.vocab_size, (3, P)), jnp.int32)
+    out = grpo.rollout(state, prompts, jnp.ones_like(prompts, bool), jax.random.key(0), model=MODEL, cfg=cfg)
+    batch, _ = grpo.score(state, out, {}, {}, None, model=MODEL, cfg=cfg, reward=rewards.jax_reward(target_fraction))
+    batch = batch._replace(advantages=jnp.asarray(np.random.default_rng(3).standard_normal(batch.advantages.shape),
+                                                  jnp.float32) * batch.response_mask)
+    keep = np.array([1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], bool)
+    dropped = batch._replace(response_mask=batch.response_mask * jnp.asarray(keep)[:, None])
+    kept = jax.tree.map(lambda x: x[np.flatnonzero(keep)] if getattr(x, "ndim", 0) and x.shape[0] == 12 else x, batch)
+    train = functools.partial(grpo.train, model=MODEL, tx=tx, cfg=dataclasses.replace(cfg))
+    _, m_dropped = jax.jit(train)(state, dropped, jax.random.key(1))
+    _, m_kept = jax.jit(train)(state, kept, jax.random.key(1))
+    np.testing.assert_allclose(m_dropped["loss"], m_kept["loss"], rtol=2e-5)
+    np.testing.assert_allclose(m_dropped["grad_norm"], m_kept["grad_norm"], rtol=2e-5)
+
+
 def test_a_batch_no_weighted_reward_scores_is_an_error_naming_the_function():
     def never(completions, **kw):
         return [None] * len(completions)

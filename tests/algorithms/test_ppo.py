@@ -499,12 +499,13 @@ def test_running_moments_and_whitening_see_only_the_scored_rows():
     assert (float(none.count), float(none.mean), float(none.var)) == (0.0, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("whitening", ["batch", "running"])
-def test_rows_no_weighted_reward_scores_are_dropped_from_the_update(params, whitening):
+@pytest.mark.parametrize("whitening, agg", [("batch", "token-mean"), ("running", "seq-mean-token-mean")])
+def test_rows_no_weighted_reward_scores_are_dropped_from_the_update(params, whitening, agg):
     """A host reward's None on every weighted reward: the PPO score + train step equals the
-    step on the other rows alone, whatever the dropped rows hold, and `reward/dropped`
-    counts them; with nothing dropped the host path equals the JAX reward's."""
-    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3",
+    step on the other rows alone (a dropped row is no sequence of a `seq-mean-*` mode
+    either), whatever the dropped rows hold, and `reward/dropped` counts them; with nothing
+    dropped the host path equals the JAX reward's."""
+    cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, eos_id=2), critic="shared", kl_estimator="k3", agg=agg,
                         beta=0.3, kl_target=0.01, missing_eos_penalty=0.5, reward_whitening=whitening,
                         reward_clip=1.5, gamma=0.9, lam=0.8, entropy_coef=0.01, num_ppo_epochs=2)
     host_reward = rewards.host_reward(lambda p, r, ex: [0.0] * len(r), _IdsTokenizer(), name="host")
