@@ -216,24 +216,37 @@ def test_every_phase_checked_against_the_mesh_before_any_work(algorithm, section
             validation.check_config(config, _Mesh(ways))
 
 
+# Run by a small process of its own, which starts the run and reads its peak RSS with
+# `os.wait4`: a child forked straight from the test's worker would count the worker's own
+# pages in its maximum (a worker grown to 2 GiB by earlier tests read as a 2 GiB run).
+_MEASURE = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _train_measured(*args) -> tuple[subprocess.CompletedProcess, int, float]:
-    """`_train`, with the peak RSS (bytes) of that one child (`os.wait4`: RUSAGE_CHILDREN
-    would be the largest of every child the test session ever waited for) and its seconds."""
+    """`_train`, with the peak RSS (bytes) of that one run (`os.wait4` in a small process of
+    its own, `_MEASURE`: RUSAGE_CHILDREN would be the largest of every child the test
+    session ever waited for) and its seconds."""
     import tempfile
     import time
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXRLHF_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla.flags(None))
     argv = [sys.executable, "-m", "jaxrlhf.train", *args]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryDirectory() as tmp:
+        rss = os.path.join(tmp, "maxrss")
         start = time.monotonic()
-        child = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(child.pid, 0)
+        proc = subprocess.run([sys.executable, "-c", _MEASURE, rss, *argv], env=env, cwd=REPO, capture_output=True,
+                              text=True)
         seconds = time.monotonic() - start
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        proc = subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read())
-    return proc, usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024), seconds  # KiB on Linux
+        peak = int(open(rss).read())
+    return proc, peak * (1 if sys.platform == "darwin" else 1024), seconds  # KiB on Linux
 
 
 @pytest.fixture(scope="module")
