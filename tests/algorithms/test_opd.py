@@ -16,6 +16,8 @@ from jaxrlhf.algorithms import common, grpo, opd
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.models import ModelConfig, Transformer, init_params, random_init, save_pretrained
 
+pytestmark = pytest.mark.heavy  # end-to-end runs: the full suite (CI) runs them, the quick command leaves them out
+
 V = 20
 STUDENT = Transformer(ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                                   num_kv_heads=2, head_dim=8, max_position_embeddings=32))

@@ -11,6 +11,8 @@ import pytest
 
 from jaxrlhf.runs import train_and_evaluate
 
+pytestmark = pytest.mark.heavy  # end-to-end runs: the full suite (CI) runs them, the quick command leaves them out
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 

@@ -14,6 +14,8 @@ from jaxrlhf import data
 from jaxrlhf.models import ModelConfig, random_init, save_pretrained
 from jaxrlhf.runs import train_and_evaluate
 
+pytestmark = pytest.mark.heavy  # end-to-end runs: the full suite (CI) runs them, the quick command leaves them out
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -15,6 +15,8 @@ from jaxrlhf import data
 from jaxrlhf.models import ModelConfig, load_pretrained, random_init, save_pretrained
 from jaxrlhf.runs import train_and_evaluate
 
+pytestmark = pytest.mark.heavy  # end-to-end runs: the full suite (CI) runs them, the quick command leaves them out
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,8 +41,8 @@ def _critic_folder(path: Path, head: str) -> Path:
     return path
 
 
-# the classifier folder's run is heavy: the causal LM's covers the same path but the head
-@pytest.mark.parametrize("head", ["lm", pytest.param("score", marks=pytest.mark.heavy)])
+
+@pytest.mark.parametrize("head", ["lm", "score"])
 def test_a_critic_of_another_size_from_a_folder_trains(tmp_path, caplog, head):
     folder = _critic_folder(tmp_path / "critic", head)
     with caplog.at_level(logging.INFO, logger="jaxrlhf"):
