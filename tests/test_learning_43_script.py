@@ -35,3 +35,33 @@ def test_table_reads_finished_runs_and_replaces_its_section(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert text.count(l43.BEGIN) == 1 and "addition_cispo" not in text and "| 1 | 0.700 | **0.800** |" in text
     assert text.startswith("# Results\n\nbefore\n\n") and text.endswith("\nafter\n")
+
+
+def test_verdict_and_standard_error():
+    l43 = _script()
+    m, se = l43.mean_se([0.9, 0.95, 1.0])
+    assert abs(m - 0.95) < 1e-12 and abs(se - 0.05 / 3 ** 0.5) < 1e-12
+    assert l43.mean_se([0.5]) == (0.5, 0.0)
+    assert l43.verdict([0.95, 0.96, 0.97], [0.90, 0.91, 0.92]).endswith("better by more than 2 SE")
+    assert l43.verdict([0.94, 0.95, 0.96], [0.95, 0.96, 0.97]).endswith("within 2 SE or 3 points")
+    assert l43.verdict([0.80, 0.81, 0.82], [0.95, 0.96, 0.97]).endswith("worse")
+
+
+def test_a_run_with_overrides_passes_them_and_is_compared_with_its_baseline(tmp_path, monkeypatch):
+    l43 = _script()
+    calls = []
+
+    def fake_run(cmd, **kw):  # what the subprocess would leave behind
+        calls.append(cmd)
+        workdir = Path(next(a for a in cmd if a.startswith("--workdir=")).split("=", 1)[1])
+        workdir.mkdir(parents=True)
+        (workdir / "summary.json").write_text(json.dumps(_summary(0.8, 0.9 if "--config.grpo.advantage=grpo" in cmd else 0.99)))
+        (workdir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "grpo/clipfrac": 0.25}\n')
+
+    monkeypatch.setattr(l43.subprocess, "run", fake_run)
+    results = l43.main(["--configs", "addition_gdpo,addition_gdpo_as_grpo", "--seeds", "0", "1",
+                        "--out", str(tmp_path)])
+    assert [c for c in calls if "--config.grpo.advantage=grpo" in c and any("addition_gdpo.py" in a for a in c)]
+    assert results[("addition_gdpo", 1)]["max_clipfrac"] == 0.25
+    text = l43.table(results)
+    assert "`addition_gdpo_as_grpo`: +9.0 ± 0.0 points" in text

@@ -11,6 +11,9 @@ docs/options.md.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import ml_collections as mlc
 
 from jaxrlhf.algorithms.common import OptimConfig
@@ -18,6 +21,19 @@ from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.monitor import MonitorConfig
 from jaxrlhf.options import section
 from jaxrlhf.runs import sections as S
+
+
+def recipe(beside: str, name: str, arg=None) -> mlc.ConfigDict:
+    """`get_config(arg)` of the config file `name`.py in the folder of `beside` (a config
+    file's `__file__`), unlocked: a config that varies a recipe starts from it and changes
+    only its own fields (`configs/addition_cispo.py`), so the recipe is written once."""
+    path = Path(beside).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"jaxrlhf_recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config(arg)
+    c.unlock()
+    return c
 
 
 def parallel(c: mlc.ConfigDict, **kw) -> mlc.ConfigDict:
