@@ -1,0 +1,173 @@
+"""The environment contract: what an episode's environment is, at the text and token levels.
+
+An episode is one conversation between the policy and an environment (a tool, a user, a
+grader): the environment gives the first messages, the policy writes a turn, the
+environment answers with new messages, a reward and whether the episode is over, and so on.
+A user writes the text level; the library turns it into tokens
+(`envs.chat.ChatEpisode`), and the episode engine (`rollout.episodes`) runs the token level.
+
+Text level (`Env`), one instance per episode, made with no arguments:
+
+    class MyEnv:
+        def reset(self, row: dict) -> list[dict]: ...     # the first chat messages
+        def step(self, assistant_text: str): ...          # -> Step(messages, reward, done)
+        def close(self): ...                              # optional, always called
+
+`step` returns a `Step` or a plain `(messages, reward, done)` tuple: the messages that
+follow the assistant's turn (a tool result, a user's reply; `[]` when done), the reward of
+this step (an episode's reward is the sum of its steps'), and whether the episode ended.
+Each of a GRPO group's G episodes has its own instance, reset with the same row.
+
+Token level (`TokenEnv`), for environments that want ids (the engine's own contract):
+
+    class MyTokenEnv:
+        def reset(self, row: dict) -> list[int]: ...                    # the prompt's ids
+        def step(self, action_ids: list[int], cut: bool): ...            # -> TokenStep(ids, reward, done)
+        def close(self): ...
+
+`action_ids` are the tokens the policy sampled in this turn, exactly as sampled, the stop
+token that ended the turn included; `cut` is True when the turn ended at the per-turn
+token limit instead (no stop token). `TokenStep.ids` are the environment's tokens that
+follow them in the episode's sequence (context the policy reads; never trained on).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+
+class Step(NamedTuple):
+    """What a text environment's `step` returns: the messages that follow the assistant's
+    turn, this step's reward, and whether the episode is over."""
+
+    messages: list[dict]
+    reward: float
+    done: bool
+
+
+class TokenStep(NamedTuple):
+    """What a token environment's `step` returns: the environment's token ids that follow
+    the policy's turn (context, mask 0), this step's reward, and whether the episode is over."""
+
+    ids: list[int]
+    reward: float
+    done: bool
+
+
+@runtime_checkable
+class Env(Protocol):
+    """An episode's environment at the text level (module docstring)."""
+
+    def reset(self, row: dict) -> list[dict]: ...
+
+    def step(self, assistant_text: str) -> Step: ...
+
+
+@runtime_checkable
+class TokenEnv(Protocol):
+    """An episode's environment at the token level (module docstring)."""
+
+    def reset(self, row: dict) -> list[int]: ...
+
+    def step(self, action_ids: list[int], cut: bool) -> TokenStep: ...
+
+
+class EnvError(RuntimeError):
+    """An environment broke its contract (raised, returned a wrong type): the message names
+    the environment's class and the method."""
+
+
+def name_of(env: Any) -> str:
+    """`package.module:Class` of an environment instance (for messages)."""
+    cls = type(env)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def import_env(spec: str, field: str = "env.cls") -> type:
+    """The class at import path `spec` ("package.module:Class"); a ValueError naming `field`
+    and `spec` when it does not import, has no such attribute or is not a class."""
+    module_name, sep, attr = str(spec).strip().partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{field}={spec!r}: expected an import path 'package.module:Class'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
+        raise ValueError(f"{field}={spec!r}: module {module_name!r} does not import ({type(e).__name__}: {e}); "
+                         "is its folder on PYTHONPATH?") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ValueError(f"{field}={spec!r}: {attr!r} is a {type(obj).__name__}, not a class "
+                         "(an environment class, made with no arguments once per episode)")
+    return obj
+
+
+def _reward(env: Any, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise EnvError(f"{name_of(env)}.step returned reward {value!r} ({type(value).__name__}); expected a number")
+    r = float(value)
+    if r != r or r in (float("inf"), float("-inf")):
+        raise EnvError(f"{name_of(env)}.step returned reward {r}; expected a finite number")
+    return r
+
+
+def check_step(env: Any, result: Any) -> Step:
+    """A text environment's `step` result as a `Step`, or an `EnvError` naming the class
+    when it is not a `(messages, reward, done)` triple of a list of `{"role", "content"}`
+    dicts, a finite number and a bool."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise EnvError(f"{name_of(env)}.step returned {type(result).__name__} {str(result)[:80]!r}; expected "
+                       "Step(messages, reward, done) or a (messages, reward, done) tuple")
+    messages, reward, done = result
+    return Step(check_messages(env, "step", messages), _reward(env, reward), _done(env, done))
+
+
+def check_token_step(env: Any, result: Any) -> TokenStep:
+    """A token environment's `step` result as a `TokenStep` (ids a list of ints), or an
+    `EnvError` naming the class."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise EnvError(f"{name_of(env)}.step returned {type(result).__name__} {str(result)[:80]!r}; expected "
+                       "TokenStep(ids, reward, done) or an (ids, reward, done) tuple")
+    ids, reward, done = result
+    return TokenStep(check_ids(env, "step", ids), _reward(env, reward), _done(env, done))
+
+
+def _done(env: Any, done: Any) -> bool:
+    if not isinstance(done, bool) and type(done).__name__ != "bool_":
+        raise EnvError(f"{name_of(env)}.step returned done={done!r} ({type(done).__name__}); expected a bool")
+    return bool(done)
+
+
+def check_messages(env: Any, method: str, messages: Any) -> list[dict]:
+    """`messages` when it is a list of dicts with a string `role` and a string `content`
+    (other keys, e.g. `tool_calls`, `name`, are kept); else an `EnvError`."""
+    if not isinstance(messages, list):
+        raise EnvError(f"{name_of(env)}.{method} returned {type(messages).__name__} {str(messages)[:80]!r} as its "
+                       "messages; expected a list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
+            raise EnvError(f"{name_of(env)}.{method}: message {i} is {str(m)[:80]!r}; expected a dict with a "
+                           "string 'role' and a string 'content'")
+    return messages
+
+
+def check_ids(env: Any, method: str, ids: Any) -> list[int]:
+    """`ids` as a list of Python ints, or an `EnvError` naming the class and method."""
+    try:
+        out = [int(i) for i in ids]
+    except (TypeError, ValueError) as e:
+        raise EnvError(f"{name_of(env)}.{method} returned {str(ids)[:80]!r} as token ids; expected a list of "
+                       f"ints ({e})") from e
+    if any(isinstance(i, bool) for i in ids) or any(i < 0 for i in out):
+        raise EnvError(f"{name_of(env)}.{method} returned token ids {str(ids)[:80]!r}; expected non-negative ints")
+    return out
+
+
+def close(env: Any) -> None:
+    """`env.close()` when the environment has one (errors in it are not the episode's)."""
+    fn = getattr(env, "close", None)
+    if callable(fn):
+        fn()
