@@ -78,6 +78,16 @@ class EnvError(RuntimeError):
     the environment's class and the method."""
 
 
+class EnvLimit(Exception):
+    """An episode cut by a limit the environment side reports (e.g. an observation too long
+    to tokenise, `kind="env_tokens"`): not an error; the engine ends the episode with its
+    `cut_reward` and counts it under `kind`."""
+
+    def __init__(self, kind: str, message: str = ""):
+        super().__init__(message or kind)
+        self.kind = kind
+
+
 def name_of(env: Any) -> str:
     """`package.module:Class` of an environment instance (for messages)."""
     cls = type(env)
