@@ -78,18 +78,29 @@ class EnvError(RuntimeError):
     the environment's class and the method."""
 
 
+class EnvLimit(Exception):
+    """An episode stopped by one of its limits, not by a bug: `kind` names the limit
+    (`"env_tokens"`: an environment's observation over its size limit, refused before it is
+    tokenised). The engine ends the episode there and counts it as cut by that limit."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def name_of(env: Any) -> str:
     """`package.module:Class` of an environment instance (for messages)."""
     cls = type(env)
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def import_env(spec: str, field: str = "env.cls") -> type:
-    """The class at import path `spec` ("package.module:Class"); a ValueError naming `field`
-    and `spec` when it does not import, has no such attribute or is not a class."""
+def import_object(spec: str, field: str, what: str = "package.module:name") -> Any:
+    """The object at import path `spec` ("package.module:name", dotted attributes allowed);
+    a ValueError naming `field` and `spec` when the path is not of that form, the module
+    does not import or has no such attribute."""
     module_name, sep, attr = str(spec).strip().partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{field}={spec!r}: expected an import path 'package.module:Class'")
+        raise ValueError(f"{field}={spec!r}: expected an import path '{what}'")
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
@@ -99,7 +110,15 @@ def import_env(spec: str, field: str = "env.cls") -> type:
         if not hasattr(obj, part):
             raise ValueError(f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def import_env(spec: str, field: str = "env.cls") -> type:
+    """The class at import path `spec` ("package.module:Class"); a ValueError naming `field`
+    and `spec` when it does not import, has no such attribute or is not a class."""
+    obj = import_object(spec, field, "package.module:Class")
     if not isinstance(obj, type):
+        attr = str(spec).strip().partition(":")[2]
         raise ValueError(f"{field}={spec!r}: {attr!r} is a {type(obj).__name__}, not a class "
                          "(an environment class, made with no arguments once per episode)")
     return obj
