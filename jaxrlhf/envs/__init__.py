@@ -1,7 +1,11 @@
-"""Episodes' environments: the contract (`base`), at the text and token levels."""
+"""Episodes' environments: the contract (`base`), at the text and token levels; tools and
+their call formats (`tools`)."""
 
-from jaxrlhf.envs.base import (Env, EnvError, Step, TokenEnv, TokenStep, check_ids, check_messages, check_step,
-                               check_token_step, close, import_env, name_of)
+from jaxrlhf.envs.base import (Env, EnvError, EnvLimit, Step, TokenEnv, TokenStep, check_ids, check_messages,
+                               check_step, check_token_step, close, import_env, import_object, name_of)
+from jaxrlhf.envs.tools import (Call, CallsResult, Malformed, Tool, ToolEnv, import_tools, parse_calls, run_calls,
+                                tool_from_function, tool_prompt)
 
-__all__ = ["Env", "EnvError", "Step", "TokenEnv", "TokenStep", "check_ids", "check_messages", "check_step",
-           "check_token_step", "close", "import_env", "name_of"]
+__all__ = ["Call", "CallsResult", "Env", "EnvError", "EnvLimit", "Malformed", "Step", "TokenEnv", "TokenStep", "Tool",
+           "ToolEnv", "check_ids", "check_messages", "check_step", "check_token_step", "close", "import_env",
+           "import_object", "import_tools", "name_of", "parse_calls", "run_calls", "tool_from_function", "tool_prompt"]
