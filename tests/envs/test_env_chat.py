@@ -103,6 +103,17 @@ def test_incremental_rendering_is_the_full_renderings_tail(name):
     check_incremental(tokenizer, chat, tools, TEMPLATES[name]["stop"])
 
 
+USER_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2?"},
+             {"role": "assistant", "content": "4"}, {"role": "user", "content": "Thanks"},
+             {"role": "assistant", "content": "Bye"}]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1", "smollm2", "gemma3"])
+def test_incremental_rendering_over_several_user_turns(name):
+    check_incremental(tiny_tokenizer(name), USER_CHAT, None, TEMPLATES[name]["stop"])
+
+
 def test_qwen3_holds_in_a_tool_loop_with_its_thinking_format():
     tokenizer = tiny_tokenizer("qwen3")
     chat, tools = tool_chat("qwen3", QWEN3_THINKING)
@@ -153,13 +164,17 @@ def test_mistral_nemo_moves_its_system_prompt():
         render_delta(tokenizer, chat, [{"role": "user", "content": "Bye"}], stop_text="</s>", turn=1)
 
 
-def test_gemma3_holds_for_a_user_assistant_chat_and_refuses_tool_messages():
+def test_mistral_nemo_moves_its_tool_list_before_a_new_user_message():
+    tokenizer = tiny_tokenizer("mistral-nemo")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    with pytest.raises(ValueError, match="tiny-mistral-nemo.*turn 1 does not start with"):
+        render_delta(tokenizer, chat, [{"role": "user", "content": "Bye"}], stop_text="</s>", tools=SCHEMAS, turn=1)
+    render_delta(tokenizer, chat, [{"role": "user", "content": "Bye"}], stop_text="</s>", turn=1)  # no tools: holds
+
+
+def test_gemma3_refuses_tool_messages():
     tokenizer = tiny_tokenizer("gemma3")
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2?"},
-            {"role": "assistant", "content": "4"}, {"role": "user", "content": "Thanks"},
-            {"role": "assistant", "content": "Bye"}]
-    check_incremental(tokenizer, chat, None, "<end_of_turn>")
+    assert render(tokenizer, USER_CHAT[:2], True).startswith("<bos><start_of_turn>user\nBe brief.\n\nHi")
     chat, tools = tool_chat("gemma3", TURNS["prompt"])
     i = assistant_turns(chat)[0]
     with pytest.raises(ValueError, match=r"tiny-gemma3.*could not render.*turn 1.*roles must alternate"):
