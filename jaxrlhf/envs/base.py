@@ -29,6 +29,10 @@ Token level (`TokenEnv`), for environments that want ids (the engine's own contr
 token that ended the turn included; `cut` is True when the turn ended at the per-turn
 token limit instead (no stop token). `TokenStep.ids` are the environment's tokens that
 follow them in the episode's sequence (context the policy reads; never trained on).
+
+Errors: `EnvError`, an environment that broke the contract (raised, returned a wrong type),
+naming its class and method; `EnvLimit(kind, message)`, an episode stopped by one of its
+limits (`kind="env_tokens"`: an observation over its size), which the engine counts as cut.
 """
 
 from __future__ import annotations
