@@ -171,8 +171,9 @@ class ChatEpisode:
     None: the environment's `tool_schemas` attribute when it has one (`envs.tools.ToolEnv`
     sets it for the templates' own tool formats), else none. `template_kwargs`: the extra
     variables the template reads (`task.chat_template_kwargs`); `timeout`: seconds one
-    rendering may take (`data.chat`: a SIGALRM timer, so it holds in the main thread only). `max_env_chars`: the longest observation (summed
-    content length of a step's new messages) rendered; longer: `EnvLimit("env_tokens")`.
+    rendering may take (`data.chat`: a SIGALRM timer, so it holds in the main thread only).
+    `max_env_chars`: the longest observation (summed content length of a step's new
+    messages) rendered; longer: `EnvLimit("env_tokens")`.
 
     Attributes: `messages` (the chat so far: the environment's messages and the policy's
     turns as `{"role": "assistant", "content": text}`), `turns` (policy turns stepped),
