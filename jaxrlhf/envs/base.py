@@ -29,6 +29,10 @@ Token level (`TokenEnv`), for environments that want ids (the engine's own contr
 token that ended the turn included; `cut` is True when the turn ended at the per-turn
 token limit instead (no stop token). `TokenStep.ids` are the environment's tokens that
 follow them in the episode's sequence (context the policy reads; never trained on).
+
+Errors: `EnvError`, an environment that broke the contract (raised, returned a wrong type),
+naming its class and method; `EnvLimit(kind, message)`, an episode stopped by one of its
+limits (`kind="env_tokens"`: an observation over its size), which the engine counts as cut.
 """
 
 from __future__ import annotations
@@ -79,12 +83,12 @@ class EnvError(RuntimeError):
 
 
 class EnvLimit(Exception):
-    """An episode cut by a limit the environment side reports (e.g. an observation too long
-    to tokenise, `kind="env_tokens"`): not an error; the engine ends the episode with its
-    `cut_reward` and counts it under `kind`."""
+    """An episode stopped by one of its limits, not by a bug: `kind` names the limit
+    (`"env_tokens"`: an environment's observation over its size limit, refused before it is
+    tokenised). The engine ends the episode there and counts it as cut by that limit."""
 
-    def __init__(self, kind: str, message: str = ""):
-        super().__init__(message or kind)
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
         self.kind = kind
 
 
@@ -94,12 +98,13 @@ def name_of(env: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def import_env(spec: str, field: str = "env.cls") -> type:
-    """The class at import path `spec` ("package.module:Class"); a ValueError naming `field`
-    and `spec` when it does not import, has no such attribute or is not a class."""
+def import_object(spec: str, field: str, what: str = "package.module:name") -> Any:
+    """The object at import path `spec` ("package.module:name", dotted attributes allowed);
+    a ValueError naming `field` and `spec` when the path is not of that form, the module
+    does not import or has no such attribute."""
     module_name, sep, attr = str(spec).strip().partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{field}={spec!r}: expected an import path 'package.module:Class'")
+        raise ValueError(f"{field}={spec!r}: expected an import path '{what}'")
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
@@ -109,7 +114,15 @@ def import_env(spec: str, field: str = "env.cls") -> type:
         if not hasattr(obj, part):
             raise ValueError(f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def import_env(spec: str, field: str = "env.cls") -> type:
+    """The class at import path `spec` ("package.module:Class"); a ValueError naming `field`
+    and `spec` when it does not import, has no such attribute or is not a class."""
+    obj = import_object(spec, field, "package.module:Class")
     if not isinstance(obj, type):
+        attr = str(spec).strip().partition(":")[2]
         raise ValueError(f"{field}={spec!r}: {attr!r} is a {type(obj).__name__}, not a class "
                          "(an environment class, made with no arguments once per episode)")
     return obj
