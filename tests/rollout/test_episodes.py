@@ -168,3 +168,23 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="one row per environment"):
         episodes.run_episodes(MODEL, PARAMS, [Scripted()], [], jax.random.key(0), max_turns=1, max_turn_tokens=1,
                               max_total_tokens=4, max_env_tokens=1, eos_id=EOS)
+
+
+def test_lora_episodes_logprobs_equal_the_trainers():
+    """With LoRA adapters (B perturbed off zero), over whole episodes."""
+    from jaxrlhf.models import lora
+
+    model = Transformer(CFG.replace(lora=lora.LoraConfig(rank=4)))
+    params = lora.add_adapters(model, PARAMS, jax.random.key(1))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.05 * jax.random.normal(jax.random.key(len(path)), x.shape)
+        if "lora_b" in jax.tree_util.keystr(path).lower() else x, params)
+    rows = [{"seed": i} for i in range(4)]
+    out = episodes.run_episodes(model, params, [Scripted(turns=3) for _ in rows], rows, jax.random.key(5), max_turns=4,
+                                max_turn_tokens=6, max_total_tokens=48, max_env_tokens=8, eos_id=EOS)
+    s = out.sample
+    logp, _, _ = common.response_logprobs(model, params, s.sequences, s.attention_mask, s.prompt_ids.shape[1])
+    base, _, _ = common.response_logprobs(MODEL, PARAMS, s.sequences, s.attention_mask, s.prompt_ids.shape[1])
+    mask = np.asarray(s.response_mask)
+    assert np.abs(np.where(mask, np.asarray(logp) - np.asarray(base), 0)).max() > 1e-3  # the adapters act
+    np.testing.assert_allclose(np.where(mask, np.asarray(logp), 0.0), np.asarray(s.logprobs), atol=1e-5, rtol=0)
