@@ -230,6 +230,7 @@ def test_learns_a_hidden_reward_from_synthetic_preferences():
     assert np.corrcoef(rank(scores), rank(truth))[0, 1] > 0.85
 
 
+@pytest.mark.heavy  # ensembles: a further case; the single reward model is tested in the quick tier
 def test_ensemble_scores_are_the_members_scores_reduced():
     """K = 3 members (heads drawn from seeds 1, 2, 3) stacked: the ensemble's mean / min and
     its disagreement equal the members' own scores reduced by hand, under jit."""

@@ -132,6 +132,7 @@ def _metrics(workdir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if "/time/" not in k} for row in rows]
 
 
+@pytest.mark.heavy  # end to end through the command line (the registry is unit-tested in this file)
 def test_a_registered_algorithm_trains_checkpoints_and_resumes_after_sigterm(tmp_path, cache):
     full = tmp_path / "full"
     proc = _train(full, cache=cache)

@@ -44,6 +44,7 @@ def test_broken_run_logs_the_matching_warnings(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the quick command keeps the broken run, which checks the warnings themselves
 def test_healthy_run_logs_none(tmp_path):
     log = _train(tmp_path, *HEALTHY)
     train_log = (tmp_path / "run" / "train.log").read_text()

@@ -53,6 +53,7 @@ def test_lora_reward_models_refuse_an_ensemble_and_a_trunk_of_their_own():
             validation.check_config(config, Placement.local())
 
 
+@pytest.mark.heavy  # a further case of the ensemble path; the quick command keeps the trunk and fresh-copy runs
 def test_one_member_is_the_single_reward_model(tmp_path):
     """K = 1 returns the single reward model's params as they were (not stacked); member 0
     of K = 2 is trained exactly as K = 1 (same head, batches, rng), member 1 differs, and the
