@@ -69,10 +69,11 @@ def token_fraction_reward(target: int, name: str):
 
 def hf_llama_config(shape: str = "workload", **extra):
     """The workload's `transformers.LlamaConfig`, with `SHAPES[shape]`'s sizes; `extra` (e.g.
-    `attn_implementation`) goes to its constructor."""
+    `attn_implementation`, or a field such as `num_hidden_layers` to override) goes to its
+    constructor."""
     import transformers
 
-    return transformers.LlamaConfig(**{**LLAMA, **SHAPES[shape]}, **extra)
+    return transformers.LlamaConfig(**{**LLAMA, **SHAPES[shape], **extra})
 
 
 def jax_llama_config(**overrides):
