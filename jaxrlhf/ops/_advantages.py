@@ -172,7 +172,8 @@ def gae(
 
         δ_t = r_t + γ·V_{t+1}·m_{t+1} − V_t,   A_t = δ_t + γλ·m_{t+1}·A_{t+1}
 
-    and every method gives, bit for bit, what it gave before masks could have holes.
+    and every method gives what it gave before masks could have holes (under jit, the same
+    bits).
 
     Args:
       rewards: `[B, T]` response-aligned per-token rewards (e.g. `shape_rewards`).
