@@ -237,7 +237,8 @@ def gae(
     # The check is a max over uint8 rises 0 → 1: on XLA:CPU it stays one loop, where a
     # boolean `all` or a float sum over [B, T] costs 2–3× as much. δ is computed where XLA
     # then fuses and rounds it (FMA contraction) as it did before masks could have holes:
-    # outside the branches for "scan" and "blocked", inside for "associative".
+    # outside the branches for "scan" and "blocked", inside for "associative" (the same
+    # bits under jit on XLA:CPU, checked against the previous code at γ = 0.9, 0.99, 1).
     delta = None if method == "associative" else prefix_delta(rewards, values)
     rises = (mask[:, 1:] > mask[:, :-1]).astype(jnp.uint8)
     adv = lax.cond(jnp.max(rises, initial=0) == 0, contiguous, holes, delta, rewards, values)
