@@ -2,13 +2,16 @@
 
 Shapes: `B` sequences, `T` response length (right-padded), `V` vocabulary, `N = prompts·G`
 grouped sequences. `mask` `[B, T]` (bool or float) is 1 on real response tokens, a
-contiguous prefix; padding never changes a result. Every function computes in float32
-whatever its input dtype (`linear_logprobs` runs its matmul in the inputs' dtype). The
-formulas are those of docs/concepts.md; the public names, keyword names, argument order and
-defaults are a stable contract (docs/concepts.md#the-primitives-api), and arguments added
-beyond them (gae's `method`, entropy's `chunk_size`) are keyword-only. `linear_logprobs` is
-the log-prob and entropy of `token_logprobs` / `entropy` with the LM head fused in, for
-vocabularies too large for `[B, T, V]`.
+contiguous prefix; padding never changes a result. In an episode it is 1 on the policy's
+tokens only, with holes where the environment's tokens are: a function of such a mask gives
+what it gives with those tokens deleted (docs/concepts.md#gae-over-a-mask-with-holes).
+Every function computes in float32 whatever its input dtype (`linear_logprobs` runs its
+matmul in the inputs' dtype). The formulas are those of docs/concepts.md; the public names,
+keyword names, argument order and defaults are a stable contract
+(docs/concepts.md#the-primitives-api), and arguments added beyond them (gae's `method`,
+entropy's `chunk_size`) are keyword-only. `linear_logprobs` is the log-prob and entropy of
+`token_logprobs` / `entropy` with the LM head fused in, for vocabularies too large for
+`[B, T, V]`.
 
     logp = ops.token_logprobs(ops.shift_logits_for_response(logits, P), response)
     logp = ops.linear_logprobs(hidden, w_head, response).logp   # same, no [B, T, V] logits

@@ -47,6 +47,47 @@ def _gae_associative(delta_TxB: jax.Array, decay_TxB: jax.Array) -> jax.Array:
     return adv
 
 
+def _gae_holes_scan(
+    rewards_TxB: jax.Array, values_TxB: jax.Array, mask_TxB: jax.Array, gamma: jax.Array,
+    decay: float | jax.Array,
+) -> jax.Array:
+    """GAE over the policy tokens (`mask_TxB`) of each column, in one sequential pass.
+
+    The carry is the advantage and the value of the next policy token; a policy token
+    replaces it with its own, anything else passes it on unchanged. Rewards and values must
+    be 0 off the mask; the output is the advantage on policy tokens, anything elsewhere.
+    """
+
+    def step(carry, inputs):
+        next_adv, next_value = carry
+        reward, value, policy = inputs
+        adv = (reward + gamma * next_value - value) + decay * next_adv
+        carry = (jnp.where(policy, adv, next_adv), jnp.where(policy, value, next_value))
+        return carry, adv
+
+    zeros = jnp.zeros_like(rewards_TxB[0])
+    _, adv = lax.scan(step, (zeros, zeros), (rewards_TxB, values_TxB, mask_TxB), reverse=True)
+    return adv
+
+
+def _gae_holes_associative(
+    rewards_TxB: jax.Array, values_TxB: jax.Array, mask_TxB: jax.Array, gamma: jax.Array,
+    decay: float | jax.Array,
+) -> jax.Array:
+    """`_gae_holes_scan` in two associative scans (same inputs, same output).
+
+    The first carries the value of the next policy token back over everything else:
+    `W_t = m_t·V_t + (1 − m_t)·W_{t+1}` (exact: every step keeps one operand whole). The
+    second is the affine recurrence with decay `γλ` on policy tokens and 1 elsewhere, so
+    that a policy token's `A_{t_i}` reads `A_{t_{i+1}}` across any environment tokens.
+    """
+    policy = mask_TxB.astype(jnp.float32)
+    at_or_after = _gae_associative(values_TxB, 1.0 - policy)
+    next_value = jnp.pad(at_or_after[1:], ((0, 1), (0, 0)))
+    delta = jnp.where(mask_TxB, rewards_TxB + gamma * next_value - values_TxB, 0.0)
+    return _gae_associative(delta, jnp.where(mask_TxB, decay, 1.0))
+
+
 _BLOCK = 32  # block length of the "blocked" form; 16 and 64 measured slower on CPU
 
 
@@ -114,27 +155,38 @@ def gae(
     method: str = "auto",
 ) -> GAEOutput:
     """Generalized Advantage Estimation on the response axis (Schulman et al. 2016,
-    arXiv:1506.02438), with no bootstrap after the last valid token:
+    arXiv:1506.02438) over each row's policy tokens, with no bootstrap after the last one.
 
-        δ_t = r_t + γ·V_{t+1}·m_{t+1} − V_t
-        A_t = δ_t + γλ·m_{t+1}·A_{t+1}        (right to left, A_T = 0, m_T = 0)
-        R_t = A_t + V_t
+    With `t_1 < … < t_n` the positions where `m = 1` (the tokens the policy sampled):
+
+        δ_i = r_{t_i} + γ·V_{t_{i+1}} − V_{t_i}        (V_{t_{n+1}} = 0)
+        A_{t_i} = δ_i + γλ·A_{t_{i+1}}                  (right to left, A_{t_{n+1}} = 0)
+        R_{t_i} = A_{t_i} + V_{t_i}
         A_t = R_t = 0 where m_t = 0
 
-    Values beyond the last valid token count as 0, whatever the padding holds.
+    Positions with `m = 0` between policy tokens (an episode's environment tokens: tool
+    results, template glue) are not the policy's actions: they neither discount nor cut the
+    chain, and their rewards and values are ignored, like the padding's
+    (docs/concepts.md#gae-over-a-mask-with-holes). For a contiguous-prefix mask (`t_i = i − 1`)
+    this is the familiar
+
+        δ_t = r_t + γ·V_{t+1}·m_{t+1} − V_t,   A_t = δ_t + γλ·m_{t+1}·A_{t+1}
+
+    and every method gives what it gave before masks could have holes (under jit, the same
+    bits).
 
     Args:
       rewards: `[B, T]` response-aligned per-token rewards (e.g. `shape_rewards`).
       values: `[B, T]` critic values `V_t` of the state that predicts `y_t`.
-      mask: `[B, T]` bool or float; valid tokens are a contiguous prefix,
-        though any mask gets the recurrence above.
+      mask: `[B, T]` bool or float, 1 on the policy's tokens: a contiguous prefix, or with
+        holes where an episode put environment tokens between them.
       gamma: discount γ.
       lam: GAE λ.
       method: "scan" (sequential `lax.scan`, O(T) steps), "associative"
-        (`lax.associative_scan`, O(log T) depth), "blocked" (blocks of 32 tokens as
-        matmuls; for masks that are not a contiguous prefix it falls back to "scan"), or
-        "auto" (picked per backend from measurements, see `_auto_method`). All give the
-        same numbers up to float rounding.
+        (`lax.associative_scan`, O(log T) depth; a mask with holes takes two of them),
+        "blocked" (blocks of 32 tokens as matmuls; a mask that is not a contiguous prefix
+        takes "scan"), or "auto" (picked per backend from measurements, see
+        `_auto_method`). All give the same numbers up to float rounding.
 
     Returns:
       `GAEOutput(advantages, returns)`, each `[B, T]` float32 (not whitened: see `whiten`).
@@ -154,27 +206,43 @@ def gae(
     lam = jnp.asarray(lam, jnp.float32)
     if decay is None:
         decay = gamma * lam
-    # V_{t+1}·m_{t+1} is the shifted masked values: no separate next-mask pass.
-    masked_values = jnp.where(mask, values, 0.0)
-    next_values = jnp.pad(masked_values[:, 1:], ((0, 0), (0, 1)))
-    delta = jnp.where(mask, rewards, 0.0) + gamma * next_values - masked_values
 
-    def exact(delta):  # time-major: the scans walk the leading axis
+    def prefix_delta(rewards, values):
+        # With a contiguous-prefix mask, V_{t_{i+1}} is the next position's masked value (a
+        # shift: no separate next-mask pass), δ is 0 on padding, and the decay γλ·m_{t+1}.
+        masked_values = jnp.where(mask, values, 0.0)
+        next_values = jnp.pad(masked_values[:, 1:], ((0, 0), (0, 1)))
+        delta = jnp.where(mask, rewards, 0.0) + gamma * next_values - masked_values
+        return delta if method == "blocked" else delta.T  # the scans walk the leading axis
+
+    def contiguous(delta, rewards, values):
+        if method == "blocked":  # δ = 0 on padding: no masking pass
+            return _gae_blocked(delta, decay)
         next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
-        solve = _gae_associative if method == "associative" else _gae_scan
-        return jnp.where(mask, solve(delta.T, (decay * next_mask).T).T, 0.0)
+        if method == "associative":
+            return jnp.where(mask, _gae_associative(prefix_delta(rewards, values),
+                                                    (decay * next_mask).T).T, 0.0)
+        return jnp.where(mask, _gae_scan(delta, (decay * next_mask).T).T, 0.0)
 
-    if method == "blocked":
-        # The fast form assumes a contiguous prefix mask; any other mask takes the exact
-        # scan, so the result never depends on the method. (Under vmap both run.) With a
-        # prefix mask δ is exactly 0 on padding, so the blocked sums are too: no masking
-        # pass. The check is a max over uint8 rises 0 → 1: on XLA:CPU it stays one loop,
-        # where a boolean `all` or a float sum over [B, T] costs 2–3× as much.
-        rises = (mask[:, 1:] > mask[:, :-1]).astype(jnp.uint8)
-        adv = lax.cond(jnp.max(rises) == 0, lambda d: _gae_blocked(d, decay), exact, delta)
-    else:
-        adv = exact(delta)
-    # The returns take the unmasked values (A = 0 on padding anyway): the masked values
+    def holes(delta, rewards, values):  # any mask: the recurrence over the policy tokens
+        solve = _gae_holes_associative if method == "associative" else _gae_holes_scan
+        rewards, values = (jnp.where(mask, x, 0.0).T for x in (rewards, values))
+        # Masked batch-major, after the transpose: the branch then returns the row-major
+        # layout the other one does, where XLA would otherwise hand the transpose on as a
+        # column-major result (two more copies of [B, T] around the blocked form).
+        return jnp.where(mask, solve(rewards, values, mask.T, gamma, decay).T, 0.0)
+
+    # A mask that is not a contiguous prefix takes the policy-token forms ("blocked" the
+    # scan's), so the result never depends on the method. (Under vmap both branches run.)
+    # The check is a max over uint8 rises 0 → 1: on XLA:CPU it stays one loop, where a
+    # boolean `all` or a float sum over [B, T] costs 2–3× as much. δ is computed where XLA
+    # then fuses and rounds it (FMA contraction) as it did before masks could have holes:
+    # outside the branches for "scan" and "blocked", inside for "associative" (the same
+    # bits under jit on XLA:CPU, checked against the previous code at γ = 0.9, 0.99, 1).
+    delta = None if method == "associative" else prefix_delta(rewards, values)
+    rises = (mask[:, 1:] > mask[:, :-1]).astype(jnp.uint8)
+    adv = lax.cond(jnp.max(rises, initial=0) == 0, contiguous, holes, delta, rewards, values)
+    # The returns take the unmasked values (A = 0 off the mask anyway): the masked values
     # then have δ as their only consumer, and XLA fuses them into it instead of writing
     # them out.
     return GAEOutput(advantages=adv, returns=jnp.where(mask, adv + values, 0.0))

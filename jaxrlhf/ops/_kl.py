@@ -74,16 +74,19 @@ def shape_rewards(
 ) -> jax.Array:
     """Per-token RLHF-PPO reward: KL penalty on every token, score on the last one.
 
-        r[b, t] = −β · kl[b, t] · m[b, t] + [t = len_b − 1] · scores[b]
-        len_b = Σ_t m[b, t]
+        r[b, t] = −β · kl[b, t] · m[b, t] + [t = last_b] · scores[b]
+        last_b = max{t : m[b, t] = 1}        (len_b − 1 for a contiguous prefix)
 
-    (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022). A sequence with no valid
-    token gets an all-zero row: its score is dropped, since there is no token to carry it.
+    (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022). The last token is the last
+    one the mask marks, so a mask with holes (an episode's environment tokens between the
+    policy's) puts the score on the policy's last token. A sequence with no valid token gets
+    an all-zero row: its score is dropped, since there is no token to carry it.
 
     Args:
       scores: `[B]` reward-model (or rule) scores.
       kl: `[B, T]` response-aligned per-token KL estimate (e.g. `ops.kl(..., "k1")`).
-      mask: `[B, T]` bool or float; valid tokens are a contiguous prefix.
+      mask: `[B, T]` bool or float, 1 on the policy's tokens (a contiguous prefix, or
+        with holes).
       beta: KL coefficient β (a float, or a traced scalar for an adaptive controller).
 
     Returns:
@@ -93,7 +96,8 @@ def shape_rewards(
     kl = _checks.float_array(fn, "kl", kl, ("B", "T"))
     scores = _checks.float_like(fn, "scores", scores, ("B",), "kl[:, 0]", kl.shape[:1])
     mask = _checks.mask_like(fn, mask, ("B", "T"), "kl", kl.shape)
-    length = jnp.sum(mask, axis=1)
-    is_last = jnp.arange(kl.shape[1])[None, :] == (length - 1)[:, None]  # never for len 0
+    position = jnp.arange(kl.shape[1])
+    last = jnp.max(jnp.where(mask, position, -1), axis=1)  # −1 for an empty row
+    is_last = position[None, :] == last[:, None]  # never for an empty row
     penalty = -jnp.asarray(beta, jnp.float32) * jnp.where(mask, kl, 0.0)
     return jnp.where(mask, penalty, 0.0) + jnp.where(is_last, scores[:, None], 0.0)

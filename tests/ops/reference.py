@@ -3,7 +3,8 @@ loops.
 
 Deliberately naive and independent of the implementation: python loops over `b` and `t`,
 `math` for scalars, and the formulas of docs/concepts.md read literally. Masks are 0/1 and
-valid tokens a contiguous prefix of length `len_b = Σ_t mask[b, t]`.
+valid tokens a contiguous prefix of length `len_b = Σ_t mask[b, t]`, except for
+`gae_policy_tokens`, whose masks may have holes.
 """
 
 import math
@@ -80,6 +81,9 @@ def shape_rewards(scores, kl_bt, mask, beta):
 
 
 def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """GAE per position: δ_t = r_t + γ·V_{t+1}·m_{t+1} − V_t, A_t = δ_t + γλ·m_{t+1}·A_{t+1}.
+    GAE itself on a contiguous-prefix mask; on a mask with holes it cuts the chain at every
+    hole (what `ops.gae` computed before episodes: see `gae_policy_tokens`)."""
     rewards, values, mask = _f64(rewards, values, mask)
     b_size, t_size = rewards.shape
     adv = np.zeros((b_size, t_size))
@@ -97,6 +101,32 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
             adv[b, t] = a
             ret[b, t] = a + values[b, t]
             next_adv = a
+    return adv, ret
+
+
+def gae_policy_tokens(rewards, values, mask, gamma=1.0, lam=0.95):
+    """GAE over each row's policy tokens `t_1 < … < t_n` (the positions where the mask is 1),
+    whatever lies between them (docs/concepts.md#gae-over-a-mask-with-holes):
+
+        δ_i = r_{t_i} + γ·V_{t_{i+1}} − V_{t_i}  (V_{t_{n+1}} = 0),  A_i = δ_i + γλ·A_{i+1},
+        R_i = A_i + V_{t_i};  0 everywhere else.
+
+    On a contiguous-prefix mask it is `gae` above (the per-position form, which cuts the
+    chain at any 0 of the mask).
+    """
+    rewards, values, mask = _f64(rewards, values, mask)
+    adv = np.zeros(rewards.shape)
+    ret = np.zeros(rewards.shape)
+    for b in range(rewards.shape[0]):
+        policy = [t for t in range(rewards.shape[1]) if mask[b, t]]
+        for i in reversed(range(len(policy))):
+            t = policy[i]
+            last = i + 1 == len(policy)
+            v_next = 0.0 if last else values[b, policy[i + 1]]
+            a_next = 0.0 if last else adv[b, policy[i + 1]]
+            delta = rewards[b, t] + gamma * v_next - values[b, t]
+            adv[b, t] = delta + gamma * lam * a_next
+            ret[b, t] = adv[b, t] + values[b, t]
     return adv, ret
 
 

@@ -76,15 +76,120 @@ def test_blocked_gae_over_several_blocks_matches_reference(traced):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_gae_masks_with_holes_follow_the_formula(method):
-    # Masks are promised to be contiguous prefixes, but a mask with holes must still give GAE's
-    # recurrence (the decay γλ·m_{t+1} cuts at every hole), whatever the method.
+    # Holes in the mask are an episode's environment tokens: GAE runs over the policy tokens
+    # t_1 < … < t_n alone (docs/concepts.md#gae-over-a-mask-with-holes), whatever the method.
     rewards, values, mask = _rewards_values(5)
     mask[:, 0] = True
     mask[:, 3] = False
     out = ops.gae(rewards, values, mask, method=method)
-    adv, ret = reference.gae(rewards, values, mask)
+    adv, ret = reference.gae_policy_tokens(rewards, values, mask)
     np.testing.assert_allclose(out.advantages, adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out.returns, ret, rtol=1e-5, atol=1e-5)
+    jitted = jax.jit(lambda *a: ops.gae(*a, method=method))(rewards, values, mask)
+    _assert_trees_close(jitted, out, rtol=1e-6, atol=1e-6)
+
+
+def test_gae_hand_values_with_holes():
+    # test_gae_hand_values' second case with an environment token (garbage reward and value)
+    # between the two policy tokens: nothing changes, and the hole gets 0.
+    #   δ_2 = 1 − 0.25 = 0.75, A_2 = 0.75;  δ_0 = 0 + V_2 − V_0 = −0.25, A_0 = −0.25 + 0.5·0.75.
+    for method in METHODS:
+        adv, ret = ops.gae(jnp.array([[0.0, 9.0, 1.0]]), jnp.array([[0.5, jnp.nan, 0.25]]),
+                           jnp.array([[1, 0, 1]]), lam=0.5, method=method)
+        np.testing.assert_allclose(adv, [[0.125, 0.0, 0.75]])
+        np.testing.assert_allclose(ret, [[0.625, 0.0, 1.0]])
+
+
+def test_policy_token_reference_is_the_per_position_form_on_prefix_masks():
+    rng = np.random.default_rng(6)
+    rewards, values = rng.standard_normal((2, 6, 40))
+    mask = inputs.random_mask(rng, 6, 40)
+    for got, want in zip(reference.gae_policy_tokens(rewards, values, mask, 0.9, 0.8),
+                         reference.gae(rewards, values, mask, 0.9, 0.8)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# Compiled once per shape (γ, λ traced): a few shapes, shared by all examples. 45 tokens
+# span two blocks of "blocked"; "auto" is one of the three on any backend.
+_HOLES_SHAPES = [(1, 1), (3, 8), (4, 45)]
+_HOLES_PAD = 5
+_jitted_gae = {m: jax.jit(lambda r, v, mk, g, l, m=m: ops.gae(r, v, mk, g, l, method=m))
+               for m in ("scan", "associative", "blocked")}
+
+
+def _assert_trees_close(got, want, **tol):
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, **tol), got, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.sampled_from(_HOLES_SHAPES),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0.0, 0.3, 0.7]),
+    st.sampled_from([(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)]),
+)
+def test_gae_random_masks_with_holes(shape, seed, hole_p, gamma_lam):
+    """Random masks with holes (hole_p = 0: contiguous prefixes), every method: the float64
+    policy-token loop, padding invariance, and on a prefix mask the per-position form."""
+    b, t = shape
+    gamma, lam = gamma_lam
+    rng = np.random.default_rng(seed)
+    rewards, values = rng.standard_normal((2, b, t)).astype(np.float32)
+    mask = inputs.holes_mask(rng, b, t, hole_p)
+    adv, ret = reference.gae_policy_tokens(rewards, values, mask, gamma, lam)
+    if hole_p == 0.0:
+        old_adv, old_ret = reference.gae(rewards, values, mask, gamma, lam)
+        np.testing.assert_allclose(adv, old_adv, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ret, old_ret, rtol=1e-12, atol=1e-12)
+    padded = [inputs.pad_right(x, _HOLES_PAD, rng) for x in (rewards, values)]
+    for method, jitted in _jitted_gae.items():
+        out = jitted(rewards, values, mask, jnp.float32(gamma), jnp.float32(lam))
+        np.testing.assert_allclose(out.advantages, adv, rtol=1e-4, atol=1e-4, err_msg=method)
+        np.testing.assert_allclose(out.returns, ret, rtol=1e-4, atol=1e-4, err_msg=method)
+        far = jitted(*padded, inputs.pad_mask(mask, _HOLES_PAD), jnp.float32(gamma), jnp.float32(lam))
+        np.testing.assert_array_equal(np.asarray(far.advantages)[:, t:], 0.0)
+        np.testing.assert_array_equal(np.asarray(far.returns)[:, t:], 0.0)
+        np.testing.assert_allclose(far.advantages[:, :t], out.advantages, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(far.returns[:, :t], out.returns, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gae_with_holes_gradients_finite_and_zero_off_the_policy(method):
+    # Environment tokens and padding hold garbage (inf, NaN, 1e30): the gradients with
+    # respect to rewards and values are finite, exactly 0 there, and those of the loop's
+    # compacted rows on the policy tokens.
+    rng = np.random.default_rng(7)
+    rewards, values = rng.standard_normal((2, B, T)).astype(np.float32)
+    mask = inputs.holes_mask(rng, B, T)
+    garbage = rng.choice([1e30, -np.inf, np.nan, 7.0], size=(B, T)).astype(np.float32)
+    rewards_g, values_g = (np.where(mask, x, garbage) for x in (rewards, values))
+    weights = rng.standard_normal((2, B, T)).astype(np.float32)
+
+    def total(fn, r, v, m):
+        out = fn(r, v, m, gamma=0.9, lam=0.8, method=method)
+        return jnp.sum(weights[0] * out.advantages) + jnp.sum(weights[1] * out.returns)
+
+    grads = jax.jit(jax.grad(lambda r, v: total(ops.gae, r, v, mask), argnums=(0, 1)))(rewards_g, values_g)
+    (r_c, m_c), (v_c, _) = inputs.compact(rewards, mask), inputs.compact(values, mask)
+    weights = np.stack([inputs.compact(w, mask)[0] for w in weights])
+    want = jax.grad(lambda r, v: total(ops.gae, r, v, m_c), argnums=(0, 1))(r_c, v_c)
+    for g, w in zip(grads, want):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_array_equal(np.asarray(g)[~mask], 0.0)
+        np.testing.assert_allclose(g, inputs.expand(np.asarray(w), mask), rtol=1e-5, atol=1e-5)
+
+
+def test_gae_vmap_mixes_prefix_and_hole_masks():
+    # Under vmap the prefix check is per slice (both forms run, one is selected).
+    rng = np.random.default_rng(9)
+    rewards, values = rng.standard_normal((2, 2, B, T)).astype(np.float32)
+    masks = np.stack([inputs.random_mask(rng, B, T), inputs.holes_mask(rng, B, T)])
+    for method in ("scan", "associative", "blocked"):
+        out = jax.jit(jax.vmap(lambda r, v, m: ops.gae(r, v, m, 0.9, 0.8, method=method)))(rewards, values, masks)
+        for i in range(2):
+            adv, ret = reference.gae_policy_tokens(rewards[i], values[i], masks[i], 0.9, 0.8)
+            np.testing.assert_allclose(out.advantages[i], adv, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(out.returns[i], ret, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])

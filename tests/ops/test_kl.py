@@ -64,6 +64,11 @@ def test_shape_rewards_hand_values():
     # r = [−0.5·0.2, −0.5·0.4 + 3, 0] = [−0.1, 2.8, 0].
     got = ops.shape_rewards(jnp.array([3.0]), jnp.array([[0.2, 0.4, 9.0]]), jnp.array([[1, 1, 0]]), 0.5)
     np.testing.assert_allclose(got, [[-0.1, 2.8, 0.0]], rtol=1e-6)
+    # A mask with holes (environment tokens at 1 and 3): the score goes on the policy's last
+    # token, t = 4, not on t = len − 1 = 2; the holes get nothing.
+    got = ops.shape_rewards(jnp.array([3.0]), jnp.array([[0.2, 9.0, 0.4, 9.0, 0.6, 9.0]]),
+                            jnp.array([[1, 0, 1, 0, 1, 0]]), 0.5)
+    np.testing.assert_allclose(got, [[-0.1, 0.0, -0.2, 0.0, 2.7, 0.0]], rtol=1e-6)
 
 
 def test_bad_arguments():
