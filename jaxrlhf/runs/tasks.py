@@ -8,6 +8,8 @@ pairs (`task.kind`) from local JSONL/Parquet files and TFDS datasets, mixed by w
 `data.final_answer_reward` (GSM8K-style "#### 42", `\\boxed{}` or the last number); every
 other field of a row travels with its prompt as a reward extra. The config's `reward`
 section adds Python rewards by import path to any task's own (`with_python_rewards`).
+"calculator" is the built-in multi-turn tool task (`data.calculator`): its reward is an
+episode's (`Task.episodes`), the environment's, run by `runs.episode_phase`.
 "word_problems" generates one-digit arithmetic questions in words for a real chat model
 (`data.make_word_problems`), scored the same way, plus an optional answer-format reward.
 """
@@ -28,6 +30,24 @@ from jaxrlhf.rollout.sampler import SampleOutput, until_stop
 
 
 @dataclasses.dataclass
+class Episodes:
+    """What a task of multi-turn episodes adds (`runs.episode_phase`): `make_env()` makes one
+    environment (a `envs.TokenEnv`) per episode, reset with a row of `rows` (training) or
+    `test_rows` (held out); `stop_ids` end a policy turn; the limits and `cut_reward` are
+    the `env` section's (`rollout.episodes.run_episodes`)."""
+
+    make_env: Callable[[], Any]
+    rows: list
+    test_rows: list
+    stop_ids: tuple[int, ...]
+    max_turns: int
+    max_turn_tokens: int
+    max_total_tokens: int
+    max_env_tokens: int
+    cut_reward: float = 0.0
+
+
+@dataclasses.dataclass
 class Task:
     """Everything algorithm runners need from a task.
 
@@ -43,6 +63,9 @@ class Task:
       `eos_token_id` list and `task.stop_tokens` (`text_stop_ids`).
     stop_strings: text that ends a response (`task.stop_strings`), cut on the host after
       sampling (`cut`: the rule of `rollout.stop_strings`); () = none.
+    episodes: a task of multi-turn episodes (`Episodes`): GRPO runs them and the held-out
+      evaluation is greedy episodes (`runs.episode_phase`); `reward` is then the
+      environment's episode reward (the host component "env"). None: single responses.
     """
 
     name: str
@@ -64,6 +87,7 @@ class Task:
     final_answer: Callable[[np.ndarray, np.ndarray], list] | None = None
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    episodes: Episodes | None = None
 
     def __post_init__(self):
         if not self.stop_ids:
@@ -377,14 +401,61 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
                       folder=tokenizer_path, format_weight=cfg.format_weight)
 
 
-TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems}
+def episode_reward(tokenizer) -> rewards.Reward:
+    """The reward of an episode task: the environment's episode reward, handed to the host
+    component "env" as the extra `env_reward` (`runs.episode_phase`; logged as `reward/env`)."""
+    return rewards.host_reward(lambda prompts, responses, ex: [float(x) for x in ex["env_reward"]], tokenizer,
+                               name="env")
 
 
-def build_task(cfg, *, model_path: str = "") -> Task:
+def _episodes(env, make_env, rows, test_rows, stop_ids) -> Episodes:
+    """`Episodes` with the limits of the `env` section (`sections.EnvSection`; None: its defaults)."""
+    from jaxrlhf.runs.sections import EnvSection
+
+    e = EnvSection(**{k: v for k, v in (env or {}).items()})
+    if e.cls:
+        from jaxrlhf import envs as envs_lib
+
+        make_env = envs_lib.import_env(e.cls)
+    return Episodes(make_env=make_env, rows=rows, test_rows=test_rows, stop_ids=tuple(stop_ids),
+                    max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens, max_total_tokens=e.max_total_tokens,
+                    max_env_tokens=e.max_env_tokens, cut_reward=e.cut_reward)
+
+
+def calculator(cfg, env=None) -> Task:
+    """Sums of several numbers with a calculator, in episodes (`data.calculator`): SFT on the
+    expert's demonstrations, GRPO on the environment's reward (exact match of the final answer)."""
+    from jaxrlhf.data import calculator as calc
+
+    task = calc.CalculatorTask(num_terms=cfg.num_terms, num_digits=cfg.num_digits, memory_rate=cfg.memory_rate)
+    tok = calc.TOKENIZER
+    train = calc.make_rows(task, cfg.num_train, split="train", seed=cfg.seed)
+    test = calc.make_rows(task, cfg.num_test, split="test", seed=cfg.seed + 1)
+    episodes = _episodes(env, calc.CalculatorEnv, train, test, calc.STOP_IDS)
+    if episodes.max_total_tokens < task.episode_len:
+        raise ValueError(f"env.max_total_tokens={episodes.max_total_tokens} is shorter than the expert's longest "
+                         f"episode ({task.episode_len} tokens for task.num_terms={cfg.num_terms}, "
+                         f"num_digits={cfg.num_digits}); raise it")
+    return Task(
+        name="calculator", tokenizer=tok, vocab_size=tok.vocab_size, pad_id=data.PAD_ID, bos_id=data.BOS_ID,
+        eos_id=data.EOS_ID, prompt_len=task.prompt_len, response_len=episodes.max_total_tokens,
+        sft=calc.sft_arrays(task, train), prompts=calc.prompt_arrays(task, train),
+        test_prompts=calc.prompt_arrays(task, test), pairs=None, test_pairs=None, reward=episode_reward(tok),
+        extra_keys=(), decode=lambda ids: tok.decode(ids, stop_at_eos=False), stop_ids=calc.STOP_IDS,
+        episodes=episodes)
+
+
+TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems, "calculator": calculator}
+
+
+def build_task(cfg, *, model_path: str = "", env=None) -> Task:
+    """The task of section `cfg` (`task`); `env`: the `env` section, for a task of episodes."""
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r}; expected one of {sorted(TASKS)}")
     if cfg.name in ("jsonl", "word_problems"):
         return TASKS[cfg.name](cfg, tokenizer_path=cfg.tokenizer_path or model_path)
+    if cfg.name == "calculator":
+        return calculator(cfg, env)
     return TASKS[cfg.name](cfg)
 
 

@@ -1,0 +1,49 @@
+"""The built-in multi-turn tool task: sums with a calculator, SFT on demonstrations, then
+GRPO on episodes.
+
+    python -m jaxrlhf.train --config=configs/calculator_grpo.py --workdir=/tmp/calculator_grpo
+
+Each problem is a sum of three 3-digit numbers ("123+456+789="), which a 0.4M-parameter
+character model cannot add in its head. It can call a calculator: it writes `[123+456]`,
+the `]` ends its turn, and the environment appends `=579;` (environment tokens, never
+trained on); it calls again, `[579+789]` -> `=1368;`, then writes `1368` and EOS. Reward:
+exact match of the final answer (`data.calculator`, docs/episodes.md#a-built-in-task-sums-with-a-calculator).
+
+The demonstrations come from an imperfect expert: on problems whose first number is below
+500 it answers from memory, without the calculator, 80 % of the time (`task.memory_rate`;
+its answers are right, but a small model's from memory are not). SFT on them (the loss on
+the policy's tokens only) learns the calls, and also learns to skip them there; GRPO on
+episodes (8 per problem, `reward/env`) learns from the outcome to call the calculator.
+
+Measured: see docs/episodes.md#a-built-in-task-sums-with-a-calculator (filled in by the run).
+
+Variants: `:tiny` (a few steps of each phase, for tests).
+"""
+
+from jaxrlhf.runs import config_base as base
+
+
+def get_config(arg=None):
+    c = base.mlc.ConfigDict()
+    c.algorithm = "grpo"
+    c.seed = 0
+    base.parallel(c)
+    c.task = base.calculator_task(num_terms=3, num_digits=3, memory_rate=0.8, num_train=4000, num_test=200)
+    c.env = base.env(max_turns=4, max_turn_tokens=12, max_total_tokens=40, max_env_tokens=8)
+    c.reward = base.reward()
+    c.model = base.model()  # 0.4M parameters: 2 layers, width 128
+    c.sft = base.sft(steps=800, batch_size=64, optim=dict(lr=1e-3, schedule="cosine", warmup_steps=50))
+    c.grpo = base.grpo(steps=200, prompts_per_step=16, sampling=dict(num_samples=8), advantage="grpo",
+                       agg="token-mean", optim=dict(lr=3e-4, schedule="cosine", warmup_steps=10))
+    c.train = base.train(log_every=10, eval_every=50, checkpoint_every=100)
+    if arg == "tiny":
+        c.task.num_train, c.task.num_test = 256, 32
+        c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16)
+        c.sft.steps, c.sft.batch_size = 4, 16
+        c.grpo.update(steps=3, prompts_per_step=4)
+        c.grpo.sampling.num_samples = 4
+        c.train.update(log_every=1, eval_every=2, checkpoint_every=2, progress=False, tensorboard=False)
+    elif arg:
+        raise ValueError(f"unknown variant {arg!r}; expected 'tiny' or none")
+    c.lock()
+    return c
