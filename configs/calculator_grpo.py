@@ -39,7 +39,8 @@ def get_config(arg=None):
     if arg == "tiny":
         c.task.num_train, c.task.num_test = 256, 32
         c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16)
-        c.sft.steps, c.sft.batch_size = 4, 16
+        # enough SFT for well-formed calls (what the test checks), a few seconds
+        c.sft.update(steps=300, batch_size=32, optim=dict(lr=3e-3, schedule="cosine", warmup_steps=20))
         c.grpo.update(steps=3, prompts_per_step=4)
         c.grpo.sampling.num_samples = 4
         c.train.update(log_every=1, eval_every=2, checkpoint_every=2, progress=False, tensorboard=False)

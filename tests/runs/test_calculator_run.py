@@ -1,0 +1,50 @@
+"""The built-in calculator task end to end (`configs/calculator_grpo.py:tiny` through
+`python -m jaxrlhf.train`): SFT on the expert's demonstrations teaches well-formed calls,
+GRPO runs on episodes with the environment's reward, the episode metrics are logged, and
+the sequences the trainer scores are the sampled ones (sampler = trainer log-probs)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import _xla
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train(*args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXRLHF_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla.flags(None))
+    return subprocess.run([sys.executable, "-m", "jaxrlhf.train", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_tiny_calculator_config_trains_on_episodes(tmp_path):
+    proc = _train("--config=configs/calculator_grpo.py:tiny", f"--workdir={tmp_path}", "--config.train.export=False")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    # an untrained policy writes no well-formed call; SFT on the demonstrations does, and calls the calculator
+    assert stages["start"]["well_formed_calls"] < 0.5
+    assert stages["after SFT"]["well_formed_calls"] >= 0.9 and stages["after SFT"]["tool_calls"] >= 0.5
+    assert {"accuracy", "reward", "turns", "tool_errors/malformed"} <= set(stages["after GRPO"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k[len("grpo/"):]: v for k, v in r.items() if k.startswith("grpo/")} for r in rows]
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["finite"] == 1 and math.isfinite(r["loss"]) and math.isfinite(r["reward/env"])
+        assert r["reward/mean"] == pytest.approx(r["reward/env"]) == pytest.approx(r["episode/reward"], abs=1e-6)
+        for key in ("episode/turns", "episode/tool_calls", "episode/well_formed_calls", "episode/cut/turns",
+                    "episode/tool_errors/malformed", "episode/env_seconds", "time/rollout_s"):
+            assert math.isfinite(r[key]), key
+        # the policy mask has holes: environment tokens sit in the sequence, and the loss
+        # counts the policy's only (response_length is the policy mask's count)
+        assert r["episode/env_tokens"] > 0
+        assert r["response_length/mean"] == pytest.approx(r["episode/policy_tokens"])
+        # the trainer's log-probs over whole episodes are the sampler's
+        assert r["logp_mismatch"] < 1e-4
