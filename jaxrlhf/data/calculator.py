@@ -162,6 +162,7 @@ class CalculatorEnv:
     `ERROR_KINDS`, and `correct` (1 when the final answer was right)."""
 
     tokenizer = TOKENIZER
+    stop_ids = STOP_IDS  # what ends a policy turn (a run with env.cls reads it)
 
     def __init__(self):
         self.row: dict | None = None

@@ -64,6 +64,11 @@ def calculator_task(**kw) -> mlc.ConfigDict:
     return section(S.CalculatorTask, **kw)
 
 
+def env_task(**kw) -> mlc.ConfigDict:
+    """Your environment class (`env.cls`) on rows from JSONL files (`sections.EnvTask`)."""
+    return section(S.EnvTask, **kw)
+
+
 def env(**kw) -> mlc.ConfigDict:
     """The episodes' environment and limits (`sections.EnvSection`)."""
     return section(S.EnvSection, **kw)

@@ -132,8 +132,7 @@ def make_episode_accuracy_fn(model, task: Task, *, batch_size: int = 512, placem
             s = out.sample
             for j in range(min(return_samples - len(samples), k)):
                 prompt = task.decode(s.prompt_ids[j][s.prompt_mask[j]])
-                text = task.tokenizer.decode(s.response_ids[j][s.attention_mask[j, -s.response_ids.shape[1]:]],
-                                             stop_at_eos=False, skip_special_tokens=False)
+                text = task.decode(s.response_ids[j][s.attention_mask[j, -s.response_ids.shape[1]:]])
                 samples.append((prompt, text, float(correct[-1][j])))
         n = sum(k for k, _ in figures)
         result = {"accuracy": float(np.concatenate(correct).mean()), "reward": float(np.concatenate(rewards).mean())}

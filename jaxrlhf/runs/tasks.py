@@ -9,7 +9,8 @@ pairs (`task.kind`) from local JSONL/Parquet files and TFDS datasets, mixed by w
 other field of a row travels with its prompt as a reward extra. The config's `reward`
 section adds Python rewards by import path to any task's own (`with_python_rewards`).
 "calculator" is the built-in multi-turn tool task (`data.calculator`): its reward is an
-episode's (`Task.episodes`), the environment's, run by `runs.episode_phase`.
+episode's (`Task.episodes`), the environment's, run by `runs.episode_phase`; "env" runs
+your own environment class (`env.cls`) on the rows of JSONL files the same way.
 "word_problems" generates one-digit arithmetic questions in words for a real chat model
 (`data.make_word_problems`), scored the same way, plus an optional answer-format reward.
 """
@@ -410,16 +411,94 @@ def episode_reward(tokenizer) -> rewards.Reward:
 
 def _episodes(env, make_env, rows, test_rows, stop_ids) -> Episodes:
     """`Episodes` with the limits of the `env` section (`sections.EnvSection`; None: its defaults)."""
-    from jaxrlhf.runs.sections import EnvSection
-
-    e = EnvSection(**{k: v for k, v in (env or {}).items()})
-    if e.cls:
-        from jaxrlhf import envs as envs_lib
-
-        make_env = envs_lib.import_env(e.cls)
+    e = _env_section(env)
     return Episodes(make_env=make_env, rows=rows, test_rows=test_rows, stop_ids=tuple(stop_ids),
                     max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens, max_total_tokens=e.max_total_tokens,
                     max_env_tokens=e.max_env_tokens, cut_reward=e.cut_reward)
+
+
+def _env_section(env):
+    from jaxrlhf.runs.sections import EnvSection
+
+    return EnvSection(**{k: v for k, v in (env or {}).items()})
+
+
+def _is_text_env(cls) -> bool:
+    """Whether environment class `cls` is a text one (`step(assistant_text)`) rather than a
+    token one (`step(action_ids, cut)`), read from its `step`'s signature."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(cls.step).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # without self
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError(f"env.cls={cls!r}: an environment class needs a step method") from None
+    if len(params) not in (1, 2):
+        raise ValueError(f"env.cls: {cls.__qualname__}.step takes {len(params)} arguments; expected step("
+                         "assistant_text) (a text environment) or step(action_ids, cut) (a token environment)")
+    return len(params) == 1
+
+
+def make_env_factory(env, *, default=None, tokenizer=None, template_kwargs=None):
+    """`(make_env, stop_ids or None)` of the `env` section: `env.cls` (else `default`), made
+    with `env.tools` when given; a text environment wrapped in `envs.ChatEpisode` with
+    `tokenizer`. `stop_ids`: the class's own `stop_ids` attribute, if any."""
+    from jaxrlhf import envs as envs_lib
+
+    e = _env_section(env)
+    if not e.cls and default is None:
+        raise ValueError("env.cls is empty: task.name='env' runs your environment class, 'pkg.mod:Class'")
+    cls = envs_lib.import_env(e.cls) if e.cls else default
+    tools = envs_lib.import_tools(e.tools) if e.tools.strip() else None
+
+    def base():
+        return cls(tools=tools) if tools is not None else cls()
+
+    if not _is_text_env(cls):
+        return base, getattr(cls, "stop_ids", None)
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError(f"env.cls={e.cls!r} is a text environment: it needs a Hugging Face tokenizer with a chat "
+                         "template (model.path or task.tokenizer_path)")
+    return (lambda: envs_lib.ChatEpisode(base(), tokenizer, template_kwargs=template_kwargs)), None
+
+
+def _rows(path: str, field: str) -> list:
+    """The rows of JSONL file `path` (the field `field` names it); a bad row is an error."""
+    if not path:
+        raise ValueError(f"{field} is empty: give a JSONL file of rows, one per episode")
+    rows = []
+    for location, record in data.read_records(path):
+        if not isinstance(record, dict):
+            raise ValueError(f"{field}: {location} is not a JSON object ({record})")
+        rows.append(record)
+    if not rows:
+        raise ValueError(f"{field}={path!r}: no rows")
+    return rows
+
+
+def env_task(cfg, env=None, *, model_path: str = "") -> Task:
+    """Your environment (`env.cls`) on the rows of `task.path` / `task.test_path`: the
+    reward is the episode's; a text environment runs through the tokenizer's chat template
+    (`envs.ChatEpisode`). No tokenizer folder: the calculator's character tokenizer."""
+    from jaxrlhf.data import calculator as calc
+
+    folder = cfg.tokenizer_path or model_path
+    tok = _tokenizer(cfg, folder) if folder else calc.TOKENIZER
+    make_env, stops = make_env_factory(env, tokenizer=tok, template_kwargs=template_kwargs(cfg.chat_template_kwargs))
+    if folder:
+        stops = stops or text_stop_ids(tok, folder)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        vocab, bos, eos = len(tok), tok.bos_token_id, tok.eos_token_id
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    else:
+        stops = stops or (data.EOS_ID,)
+        pad_id, vocab, bos, eos = data.PAD_ID, tok.vocab_size, data.BOS_ID, data.EOS_ID
+        decode = lambda ids: tok.decode(ids, stop_at_eos=False)
+    episodes = _episodes(env, make_env, _rows(cfg.path, "task.path"), _rows(cfg.test_path, "task.test_path"), stops)
+    return Task(name="env", tokenizer=tok, vocab_size=vocab, pad_id=pad_id, bos_id=bos, eos_id=eos,
+                prompt_len=cfg.max_prompt_tokens, response_len=episodes.max_total_tokens, sft=None, prompts={},
+                test_prompts={}, pairs=None, test_pairs=None, reward=episode_reward(tok), extra_keys=(),
+                decode=decode, stop_ids=tuple(stops), episodes=episodes)
 
 
 def calculator(cfg, env=None) -> Task:
@@ -431,7 +510,8 @@ def calculator(cfg, env=None) -> Task:
     tok = calc.TOKENIZER
     train = calc.make_rows(task, cfg.num_train, split="train", seed=cfg.seed)
     test = calc.make_rows(task, cfg.num_test, split="test", seed=cfg.seed + 1)
-    episodes = _episodes(env, calc.CalculatorEnv, train, test, calc.STOP_IDS)
+    make_env, _ = make_env_factory(env, default=calc.CalculatorEnv)
+    episodes = _episodes(env, make_env, train, test, calc.STOP_IDS)
     if episodes.max_total_tokens < task.episode_len:
         raise ValueError(f"env.max_total_tokens={episodes.max_total_tokens} is shorter than the expert's longest "
                          f"episode ({task.episode_len} tokens for task.num_terms={cfg.num_terms}, "
@@ -445,7 +525,8 @@ def calculator(cfg, env=None) -> Task:
         episodes=episodes)
 
 
-TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems, "calculator": calculator}
+TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems, "calculator": calculator,
+         "env": env_task}
 
 
 def build_task(cfg, *, model_path: str = "", env=None) -> Task:
@@ -456,6 +537,8 @@ def build_task(cfg, *, model_path: str = "", env=None) -> Task:
         return TASKS[cfg.name](cfg, tokenizer_path=cfg.tokenizer_path or model_path)
     if cfg.name == "calculator":
         return calculator(cfg, env)
+    if cfg.name == "env":
+        return env_task(cfg, env, model_path=model_path)
     return TASKS[cfg.name](cfg)
 
 

@@ -48,3 +48,32 @@ def test_tiny_calculator_config_trains_on_episodes(tmp_path):
         assert r["response_length/mean"] == pytest.approx(r["episode/policy_tokens"])
         # the trainer's log-probs over whole episodes are the sampler's
         assert r["logp_mismatch"] < 1e-4
+
+
+def test_your_environment_class_on_jsonl_rows(tmp_path):
+    """task.name='env': an environment class by import path (`env.cls`, here the calculator's
+    own, made once per episode) on the rows of JSONL files, GRPO on its episodes."""
+    from jaxrlhf.data import calculator as calc
+    from jaxrlhf.runs import config_base as base
+    from jaxrlhf.runs import train_and_evaluate
+
+    task = calc.CalculatorTask(num_terms=2, num_digits=2)
+    for name, split, n in (("train.jsonl", "train", 32), ("test.jsonl", "test", 8)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in calc.make_rows(task, n, split=split)))
+    c = base.mlc.ConfigDict()
+    c.algorithm, c.seed = "grpo", 0
+    base.parallel(c)
+    c.task = base.env_task(path=str(tmp_path / "train.jsonl"), test_path=str(tmp_path / "test.jsonl"),
+                                  max_prompt_tokens=8)
+    c.env = base.env(cls="jaxrlhf.data.calculator:CalculatorEnv", max_turns=2, max_turn_tokens=6, max_total_tokens=16)
+    c.reward = base.reward()
+    c.model = base.model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
+                         head_dim=16)
+    c.sft = base.sft(steps=0)
+    c.grpo = base.grpo(steps=2, prompts_per_step=4, sampling=dict(num_samples=2))
+    c.train = base.train(log_every=1, eval_every=0, progress=False, tensorboard=False, export=False)
+    summary = train_and_evaluate(c, tmp_path / "run")
+    assert {"accuracy", "reward", "turns", "tool_calls"} <= set(summary["stages"]["after GRPO"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "grpo/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["grpo/reward/env"]) and "grpo/episode/turns" in r for r in rows)
