@@ -32,10 +32,10 @@ def get_config(arg=None):
     c.env = base.env(max_turns=4, max_turn_tokens=12, max_total_tokens=40, max_env_tokens=8)
     c.reward = base.reward()
     c.model = base.model()  # 0.4M parameters: 2 layers, width 128
-    c.sft = base.sft(steps=800, batch_size=64, optim=dict(lr=1e-3, schedule="cosine", warmup_steps=50))
-    c.grpo = base.grpo(steps=200, prompts_per_step=16, sampling=dict(num_samples=8), advantage="grpo",
+    c.sft = base.sft(steps=400, batch_size=64, optim=dict(lr=1e-3, schedule="cosine", warmup_steps=50))
+    c.grpo = base.grpo(steps=100, prompts_per_step=16, sampling=dict(num_samples=8), advantage="grpo",
                        agg="token-mean", optim=dict(lr=3e-4, schedule="cosine", warmup_steps=10))
-    c.train = base.train(log_every=10, eval_every=50, checkpoint_every=100)
+    c.train = base.train(log_every=10, eval_every=100, checkpoint_every=100)
     if arg == "tiny":
         c.task.num_train, c.task.num_test = 256, 32
         c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16)

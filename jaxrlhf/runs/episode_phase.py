@@ -57,6 +57,10 @@ def run(model, params, task: Task, rows: list, rng, *, temperature: float, top_k
                               eos_id=spec.stop_ids, pad_id=task.pad_id, cut_reward=spec.cut_reward,
                               prompt_multiple=PROMPT_MULTIPLE)
     width = -(-task.prompt_len // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
+    longest = int(np.asarray(out.sample.prompt_mask).sum(axis=1).max())
+    if longest > task.prompt_len:
+        raise ValueError(f"an episode's prompt (its environment's reset) has {longest} tokens, over the task's "
+                         f"{task.prompt_len} (task.max_prompt_tokens): raise it")
     return out._replace(sample=_left_pad(out.sample, width, task.pad_id)), envs
 
 
