@@ -77,3 +77,18 @@ def test_your_environment_class_on_jsonl_rows(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "grpo/loss" in r]
     assert len(rows) == 2 and all(math.isfinite(r["grpo/reward/env"]) and "grpo/episode/turns" in r for r in rows)
+
+
+def test_env_cls_is_read_as_a_token_or_a_text_environment():
+    from jaxrlhf.data import calculator as calc
+    from jaxrlhf.runs import tasks
+
+    make, stops = tasks.make_env_factory({"cls": "jaxrlhf.data.calculator:CalculatorEnv"})
+    assert isinstance(make(), calc.CalculatorEnv) and stops == calc.STOP_IDS
+    # a text environment (step(assistant_text)) needs a chat template to become tokens
+    with pytest.raises(ValueError, match="chat template"):
+        tasks.make_env_factory({"cls": "jaxrlhf.envs:ToolEnv"}, tokenizer=calc.TOKENIZER)
+    with pytest.raises(ValueError, match="env.cls is empty"):
+        tasks.make_env_factory({})
+    with pytest.raises(ValueError, match="env.cls='nowhere:Env'"):
+        tasks.make_env_factory({"cls": "nowhere:Env"})
