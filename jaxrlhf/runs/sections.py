@@ -414,8 +414,8 @@ class EnvSection:
 
     cls: str = option("", "the import path 'pkg.mod:Class' of the environment, made once per episode: a token "
                       "environment (`envs.TokenEnv`: step(action_ids, cut)) or a text one (`envs.Env`: "
-                      "step(assistant_text), run through the task tokenizer's chat template, `envs.ChatEpisode`); '': "
-                      "the task's own (task.name='calculator': `data.calculator:CalculatorEnv`; required with "
+                      "step(assistant_text), run through the task tokenizer's chat template, "
+                      "`envs.ChatEpisode`); '': the task's own (task.name='calculator': `data.calculator:CalculatorEnv`; required with "
                       "task.name='env')")
     tools: str = option("", "comma-separated import paths 'pkg.mod:fn' of tool functions handed to env.cls as "
                         "cls(tools=[...]) (an `envs.ToolEnv` subclass, `envs.import_tools`); '': the class's own")
