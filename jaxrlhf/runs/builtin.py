@@ -32,7 +32,7 @@ from jaxrlhf.models import lora
 from jaxrlhf.models.config import RUNTIME_FIELDS
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.loading import load_pretrained_sharded
-from jaxrlhf.runs import pair_phases, phases, sections, setup, stopping
+from jaxrlhf.runs import episode_phase, pair_phases, phases, sections, setup, stopping
 from jaxrlhf.runs.loop import run_phase
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.registry import Algorithm, Phase, Run, policy_plan, register
@@ -63,7 +63,9 @@ def _run_sft(run: Run) -> None:
 
 def _run_grpo(run: Run) -> None:
     c, folder = run.config, run.folder_reward_model
-    run.params, _ = phases.grpo_phase(c.grpo, c.train, reward_model_and_params=folder,
+    # a task of multi-turn episodes (task.name='calculator'): GRPO on episodes
+    phase = phases.grpo_phase if run.task.episodes is None else episode_phase.grpo_episode_phase
+    run.params, _ = phase(c.grpo, c.train, reward_model_and_params=folder,
                                       model_weight=c.reward.model_weight if folder else 1.0,
                                       **policy_args(run, GRPO))
 

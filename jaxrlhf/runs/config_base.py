@@ -59,6 +59,21 @@ def word_problems_task(**kw) -> mlc.ConfigDict:
     return section(S.WordProblemsTask, **kw)
 
 
+def calculator_task(**kw) -> mlc.ConfigDict:
+    """The built-in multi-turn tool task: sums with a calculator (`sections.CalculatorTask`)."""
+    return section(S.CalculatorTask, **kw)
+
+
+def env_task(**kw) -> mlc.ConfigDict:
+    """Your environment class (`env.cls`) on rows from JSONL files (`sections.EnvTask`)."""
+    return section(S.EnvTask, **kw)
+
+
+def env(**kw) -> mlc.ConfigDict:
+    """The episodes' environment and limits (`sections.EnvSection`)."""
+    return section(S.EnvSection, **kw)
+
+
 def reward(**kw) -> mlc.ConfigDict:
     """Python rewards and a reward-model folder beside the task's (`sections.RewardSection`)."""
     return section(S.RewardSection, **kw)

@@ -64,6 +64,7 @@ from jaxrlhf.runs import hooks, registry, reward_folder, setup, stopping, valida
 from jaxrlhf.runs.evaluation import SampledEval
 from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
+from jaxrlhf.runs.episode_phase import make_episode_accuracy_fn
 from jaxrlhf.runs.held_out import make_accuracy_fn
 from jaxrlhf.runs.tasks import build_task, python_rewards, with_python_rewards
 from jaxrlhf.runs.workdir import claim
@@ -209,12 +210,23 @@ def _task(config):
     `task.stop_strings`, `task.chat_template_kwargs`, a chat template name that would write
     outside the export, a data file) stops the run with nothing written. Its log lines wait
     for `train.log` (`runlog.capture`)."""
-    task = with_python_rewards(build_task(config.task, model_path=config.model.path), config.get("reward"))
+    task = with_python_rewards(build_task(config.task, model_path=config.model.path, env=config.get("env")),
+                               config.get("reward"))
+    if task.episodes is not None:
+        if config.algorithm not in ("grpo", "sft"):
+            raise ValueError(f"task.name={config.task.name!r} runs multi-turn episodes: algorithm 'grpo' (or 'sft' on "
+                             f"its demonstrations), not {config.algorithm!r}")
+        if config.train.eval_samples:
+            raise ValueError(f"train.eval_samples={config.train.eval_samples}: the held-out evaluation of episodes is "
+                             "greedy only; set it to 0")
     if config.algorithm == "grpo" and config.grpo.guide_coef > 0:  # a task without references: before any phase
         task.reference_keys(f"grpo.guide_coef={config.grpo.guide_coef}")
     if len(task.stop_ids) > 1:
+        tok = task.tokenizer
+        name = tok.convert_ids_to_tokens if hasattr(tok, "convert_ids_to_tokens") else (
+            lambda i: tok.decode([i], stop_at_eos=False, skip_special_tokens=False))  # the character tokenizer
         log.info("responses end at any of the token ids %s (%s)", list(task.stop_ids),
-                 ", ".join(repr(task.tokenizer.convert_ids_to_tokens(i)) for i in task.stop_ids))
+                 ", ".join(repr(name(i)) for i in task.stop_ids))
     return task
 
 
@@ -230,9 +242,13 @@ def _run(config, workdir: Path, *, task, placement, sampled, stops, start, shoul
     model, params = setup.build_model(config.model, vocab_size=task.vocab_size, seed=config.seed, pad_id=task.pad_id,
                                       bos_id=task.bos_id, eos_id=task.eos_id, placement=placement)
     plain, model = model, setup.lora_model(config.model, model)  # model.lora: its phases train fresh adapters
-    accuracy = _evaluating(make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size,
-                                            placement=placement, sampled=sampled, seed=config.seed,
-                                            slots=config.train.eval_slots))
+    if task.episodes is not None:  # greedy episodes on the held-out rows (`runs.episode_phase`)
+        accuracy = _evaluating(make_episode_accuracy_fn(model, task, batch_size=config.train.eval_batch_size,
+                                                        placement=placement))
+    else:
+        accuracy = _evaluating(make_accuracy_fn(model, task, batch_size=config.train.eval_batch_size,
+                                                placement=placement, sampled=sampled, seed=config.seed,
+                                                slots=config.train.eval_slots))
     wandb_run = None
     if config.train.wandb and main:
         wandb_run = start_wandb(workdir, project=config.train.wandb_project, mode=config.train.wandb_mode,

@@ -305,7 +305,7 @@ class Parallel:
 class AdditionTask:
     """The built-in addition task (`data.arithmetic`): 'a+b=' → the sum's digits."""
 
-    name: str = option("addition", "the task: 'addition', 'jsonl' or 'word_problems'")
+    name: str = option("addition", "the task: 'addition', 'jsonl', 'word_problems', 'calculator' or 'env'")
     num_digits: int = option(2, "digits of each operand", min=1)
     reverse_answer: bool = option(False, "the sum's digits written last to first")
     num_train: int = option(8000, "training questions", min=1)
@@ -346,7 +346,7 @@ class _TextTask:
 class JsonlTask(_TextTask):
     """Rows from local JSONL/Parquet files and TFDS datasets (`runs.tasks`, `data.sources`)."""
 
-    name: str = option("jsonl", "the task: 'addition', 'jsonl' or 'word_problems'")
+    name: str = option("jsonl", "the task: 'addition', 'jsonl', 'word_problems', 'calculator' or 'env'")
     kind: str = option("prompts", "'prompts' (prompt + reference answer, for GRPO/PPO), 'sft' (messages_key chats "
                        "learnt on their assistant turns, or prompt_key / completion_key pairs) or 'pairs' "
                        "(prompt_key / chosen_key / rejected_key, for DPO and reward models)",
@@ -381,7 +381,7 @@ class WordProblemsTask(_TextTask):
     """Generated one-digit arithmetic questions in words for a Hugging Face chat model
     (`data.make_word_problems`); reward = exact answer + format_weight × the '#### <n>' format."""
 
-    name: str = option("word_problems", "the task: 'addition', 'jsonl' or 'word_problems'")
+    name: str = option("word_problems", "the task: 'addition', 'jsonl', 'word_problems', 'calculator' or 'env'")
     num_train: int = option(4000, "training questions", min=1)
     num_test: int = option(200, "held-out questions", min=1)
     seed: int = option(0, "the seed of the generated questions")
@@ -391,9 +391,66 @@ class WordProblemsTask(_TextTask):
     format_weight: float = option(0.0, "the weight of the '#### <n>' format reward", min=0)
 
 
-TASK_SECTIONS = {"addition": AdditionTask, "jsonl": JsonlTask, "word_problems": WordProblemsTask}
+@_frozen
+class CalculatorTask:
+    """The built-in multi-turn tool task (`data.calculator`): 'a+b+c=' answered with
+    calculator calls '[a+b]' in episodes (the `env` section's limits), then the sum."""
+
+    name: str = option("calculator", "the task: 'addition', 'jsonl', 'word_problems', 'calculator' or 'env'")
+    num_terms: int = option(3, "numbers per sum", min=2, max=8)
+    num_digits: int = option(3, "digits of each number", min=1, max=6)
+    memory_rate: float = option(0.0, "the share of problems with a first number below half its range that the "
+                                "demonstrating expert answers from memory, without the calculator (an imperfect "
+                                "demonstrator, for RL to improve on); 0: it always calls it", min=0, max=1)
+    num_train: int = option(4000, "training problems (and SFT demonstrations)", min=1)
+    num_test: int = option(200, "held-out problems", min=1)
+    seed: int = option(0, "the seed of the generated problems")
+
+
+@_frozen
+class EnvSection:
+    """The episodes of a task that runs them (task.name='calculator'): the environment
+    and the limits of every episode (`rollout.episodes.run_episodes`)."""
+
+    cls: str = option("", "the import path 'pkg.mod:Class' of the environment, made once per episode: a token "
+                      "environment (`envs.TokenEnv`: step(action_ids, cut)) or a text one (`envs.Env`: "
+                      "step(assistant_text), run through the task tokenizer's chat template, "
+                      "`envs.ChatEpisode`); '': the task's own (task.name='calculator': `data.calculator:CalculatorEnv`; required with "
+                      "task.name='env')")
+    tools: str = option("", "comma-separated import paths 'pkg.mod:fn' of tool functions handed to env.cls as "
+                        "cls(tools=[...]) (an `envs.ToolEnv` subclass, `envs.import_tools`); '': the class's own")
+    max_turns: int = option(4, "policy turns per episode at most; an episode not done after them is cut (and "
+                            "gets cut_reward)", min=1)
+    max_turn_tokens: int = option(16, "tokens of one policy turn at most (a turn cut there ends without a stop "
+                                  "token)", min=1)
+    max_total_tokens: int = option(48, "tokens of an episode after its prompt at most, policy and environment "
+                                   "together (the trained sequence's response length)", min=2)
+    max_env_tokens: int = option(16, "tokens of one environment reply at most (a longer one cuts the episode)",
+                                 min=1)
+    cut_reward: float = option(0.0, "the reward of an episode cut by a limit")
+
+
+@_frozen
+class EnvTask:
+    """Episodes of your own environment (`env.cls`) on rows from JSONL files: GRPO on the
+    environment's reward; no SFT examples."""
+
+    name: str = option("env", "the task: 'addition', 'jsonl', 'word_problems', 'calculator' or 'env'")
+    path: str = option("", "the training rows, a JSONL file (each row is handed to the environment's reset)")
+    test_path: str = option("", "the held-out rows, a JSONL file")
+    tokenizer_path: str = option("", "the tokenizer's folder ('': model.path's; both '': the calculator task's "
+                                 "character tokenizer, for token environments on its vocabulary)")
+    chat_template_kwargs: str = option("", "a JSON object of extra chat-template variables for a text "
+                                       "environment's renderings ('{\"enable_thinking\": false}')")
+    max_prompt_tokens: int = option(256, "the longest first prompt (the environment's reset) an episode may have",
+                                    min=1)
+
+
+TASK_SECTIONS = {"addition": AdditionTask, "jsonl": JsonlTask, "word_problems": WordProblemsTask,
+                 "calculator": CalculatorTask, "env": EnvTask}
 # The sections every run has besides its phases', and the top level's keys (`Parallel`).
-RUN_SECTIONS = {"train": (TrainConfig,), "reward": (RewardSection,), "model": (ModelSection,)}
+RUN_SECTIONS = {"train": (TrainConfig,), "reward": (RewardSection,), "model": (ModelSection,),
+                "env": (EnvSection,)}
 
 
 def schema(config) -> dict[str, tuple[type, ...]]:

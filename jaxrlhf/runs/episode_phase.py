@@ -1,0 +1,207 @@
+"""GRPO on multi-turn episodes, and their held-out evaluation, for a task with `Task.episodes`
+(the built-in `calculator`, docs/episodes.md#a-built-in-task-sums-with-a-calculator).
+
+A step's rollout is `rollout.episodes.run_episodes` over the step's rows, G episodes per
+row (`grpo.sampling.num_samples`), each with its own environment instance reset with the
+same row. The episode's reward is handed to the task's host reward component "env"
+(`tasks.episode_reward`: logged as `reward/env`, beside any Python rewards of the `reward`
+section, which see the whole episode's text), then GRPO's own scoring and update
+(`grpo.split`'s `score` and `train`, jitted): the sample's `response_mask` is the policy
+mask, so the loss, KL and advantages count the policy's tokens only, never the
+environment's, and the forward passes run over the whole episode (`attention_mask`).
+
+The step reports GRPO's metrics, the time split (`time/rollout_s` is the episodes', the
+environments' own time inside it is `episode/env_seconds`) and the episodes' figures
+(`episode_metrics`): `episode/turns`, `episode/tool_calls`, `episode/tool_errors/<kind>`,
+`episode/well_formed_calls`, `episode/cut/<limit>`, `episode/policy_tokens`,
+`episode/env_tokens`, per episode. The held-out evaluation (`make_episode_accuracy_fn`) is
+greedy episodes on the test rows: `accuracy` (the environment's `stats["correct"]` when it
+keeps one, else a reward >= 0.5), `reward`, and the same episode figures.
+
+One process (any number of its local devices); the rows of a step are not split over
+processes yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxrlhf import rewards as rewards_lib
+from jaxrlhf.algorithms import grpo, timing
+from jaxrlhf.data.calculator import ERROR_KINDS as CALC_ERRORS
+from jaxrlhf.envs.tools import ERROR_KINDS as TOOL_ERRORS
+from jaxrlhf.models import lora
+from jaxrlhf.rollout import episodes as engine
+from jaxrlhf.rollout.sampler import SampleOutput
+from jaxrlhf.runs import phases
+from jaxrlhf.runs.loop import run_phase
+from jaxrlhf.runs.sharding import Placement
+from jaxrlhf.runs.tasks import Task
+
+ERROR_KINDS = tuple(dict.fromkeys((*CALC_ERRORS, *TOOL_ERRORS)))  # `stats` keys counted as tool errors
+PROMPT_MULTIPLE = 8
+
+
+def run(model, params, task: Task, rows: list, rng, *, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """`(EpisodeOutput, envs)`: one episode per row of `rows`, each with a fresh environment
+    of the task, the prompts left-padded to one fixed width (the task's `prompt_len`
+    rounded up to a multiple of 8: every step compiles the same shapes)."""
+    spec = task.episodes
+    envs = [spec.make_env() for _ in rows]
+    out = engine.run_episodes(model, params, envs, rows, rng, max_turns=spec.max_turns,
+                              max_turn_tokens=spec.max_turn_tokens, max_total_tokens=spec.max_total_tokens,
+                              max_env_tokens=spec.max_env_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_id=spec.stop_ids, pad_id=task.pad_id, cut_reward=spec.cut_reward,
+                              prompt_multiple=PROMPT_MULTIPLE)
+    width = -(-task.prompt_len // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
+    longest = int(np.asarray(out.sample.prompt_mask).sum(axis=1).max())
+    if longest > task.prompt_len:
+        raise ValueError(f"an episode's prompt (its environment's reset) has {longest} tokens, over the task's "
+                         f"{task.prompt_len} (task.max_prompt_tokens): raise it")
+    return out._replace(sample=_left_pad(out.sample, width, task.pad_id)), envs
+
+
+def _left_pad(s: SampleOutput, width: int, pad_id: int) -> SampleOutput:
+    """`s` with its prompts left-padded to `width` columns (host arrays)."""
+    s = SampleOutput(*(np.asarray(x) for x in s))
+    extra = width - s.prompt_ids.shape[1]
+    if extra <= 0:
+        return s
+    n = s.prompt_ids.shape[0]
+    ids = np.concatenate([np.full((n, extra), pad_id, s.prompt_ids.dtype), s.prompt_ids], axis=1)
+    mask = np.concatenate([np.zeros((n, extra), s.prompt_mask.dtype), s.prompt_mask], axis=1)
+    return s._replace(prompt_ids=ids, prompt_mask=mask, sequences=np.concatenate([ids, s.response_ids], axis=1),
+                      attention_mask=np.concatenate([mask, s.attention_mask[:, -s.response_ids.shape[1]:]], axis=1))
+
+
+def episode_metrics(out: engine.EpisodeOutput, envs: list) -> dict:
+    """The episodes' figures (module docstring), per episode; the environments' numeric
+    `stats` (e.g. `tool_calls`, error counts) averaged, errors as `episode/tool_errors/<kind>`."""
+    n = len(envs)
+    policy = np.asarray(out.sample.response_mask).sum(axis=1)
+    m = {"episode/turns": float(np.mean(out.turns)), "episode/policy_tokens": float(np.mean(policy)),
+         "episode/env_tokens": float(np.mean(out.env_mask.sum(axis=1))),
+         "episode/env_seconds": float(np.sum(out.stats["env_seconds"])),
+         "episode/reward": float(np.mean(out.rewards))}
+    for limit in engine.LIMITS:
+        m[f"episode/cut/{limit}"] = sum(c == limit for c in out.cut) / n
+    totals: dict[str, float] = {}
+    for env in envs:
+        for k, v in (getattr(env, "stats", None) or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                totals[k] = totals.get(k, 0.0) + float(v)
+    for k, v in totals.items():
+        m[f"episode/tool_errors/{k}" if k in ERROR_KINDS else f"episode/{k}"] = v / n
+    if "tool_calls" in totals:
+        errors = sum(v for k, v in totals.items() if k in ERROR_KINDS)
+        m["episode/well_formed_calls"] = 1.0 - errors / totals["tool_calls"] if totals["tool_calls"] else 1.0
+    return m
+
+
+def _correct(out: engine.EpisodeOutput, envs: list) -> np.ndarray:
+    """`[N]` bool: the environment's `stats["correct"]` where it keeps one, else reward >= 0.5."""
+    return np.array([bool(getattr(e, "stats", {}).get("correct", r >= 0.5)) for e, r in zip(envs, out.rewards)])
+
+
+def _head(out: engine.EpisodeOutput, k: int) -> engine.EpisodeOutput:
+    """The first `k` episodes of `out` (host arrays)."""
+    return engine.EpisodeOutput(sample=SampleOutput(*(np.asarray(x)[:k] for x in out.sample)),
+                                env_mask=out.env_mask[:k], rewards=out.rewards[:k], turns=out.turns[:k],
+                                cut=out.cut[:k], prefill_tokens=out.prefill_tokens[:k],
+                                stats={name: v[:k] for name, v in out.stats.items()})
+
+
+def make_episode_accuracy_fn(model, task: Task, *, batch_size: int = 512, placement=None):
+    """`accuracy(params, return_samples=0) -> {"accuracy", "reward", ...}` (with
+    `return_samples`, `(result, samples)`): greedy episodes on the task's test rows, in
+    batches of `batch_size` episodes (a short last batch padded with copies of its last row,
+    so every batch compiles alike)."""
+    del placement  # one process: the episodes run on its devices
+    rows = task.episodes.test_rows
+
+    def accuracy(params, *, return_samples: int = 0):
+        correct, rewards, figures, samples = [], [], [], []
+        for i in range(0, len(rows), batch_size):
+            batch = rows[i:i + batch_size]
+            k = len(batch)
+            padded = batch + [batch[-1]] * (min(batch_size, len(rows)) - k)
+            out, envs = run(model, params, task, padded, jax.random.key(0), temperature=0.0)
+            out, envs = _head(out, k), envs[:k]
+            correct.append(_correct(out, envs))
+            rewards.append(np.asarray(out.rewards))
+            figures.append((k, episode_metrics(out, envs)))
+            s = out.sample
+            for j in range(min(return_samples - len(samples), k)):
+                prompt = task.decode(s.prompt_ids[j][s.prompt_mask[j]])
+                text = task.decode(s.response_ids[j][s.attention_mask[j, -s.response_ids.shape[1]:]])
+                samples.append((prompt, text, float(correct[-1][j])))
+        n = sum(k for k, _ in figures)
+        result = {"accuracy": float(np.concatenate(correct).mean()), "reward": float(np.concatenate(rewards).mean())}
+        for key in figures[0][1]:
+            if key != "episode/env_seconds":
+                result[key.removeprefix("episode/")] = sum(k * f.get(key, 0.0) for k, f in figures) / n
+        return (result, samples) if return_samples else result
+
+    return accuracy
+
+
+def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng,
+                       placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop=None,
+                       reward_model_and_params=None, model_weight: float = 1.0):
+    """GRPO on the task's episodes (module docstring); returns `(params, last_metrics)`."""
+    del model_weight
+    placement = placement or Placement.local()
+    if reward_model_and_params is not None:
+        raise ValueError("reward.model_path: a reward model does not score episodes yet; leave it empty")
+    if jax.process_count() > 1:
+        raise ValueError("episodes run on one process for now; start the run on one")
+    gcfg = phases.library_config("grpo", cfg, task, monitor=train.monitor)
+    for name, on in (("dynamic_sampling", gcfg.dynamic_sampling), ("guide_coef", gcfg.guide_coef)):
+        if on:
+            raise ValueError(f"grpo.{name}={cfg[name]!r}: not with episodes (task.name={task.name!r}); turn it off")
+    tx, schedule = phases.optimizer(cfg.optim, "grpo.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
+    spec = task.episodes
+    batches = phases._batches({"row": np.arange(len(spec.rows))}, cfg.prompts_per_step, cfg.seed, placement,
+                              "grpo.prompts_per_step")
+    p_sh = placement.param_shardings(model)
+    own_reference = gcfg.uses_reference and not lora.has_adapters(params)
+    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg)
+    state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
+    reward = rewards_lib.as_reward(task.reward)
+    parts = grpo.split(model, tx, gcfg, reward, schedule=schedule)
+    score = jax.jit(parts.score)
+    update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
+    g, sampling = gcfg.group_size, gcfg.sampling
+
+    def step(state, local, rng):
+        rows = [spec.rows[int(i)] for i in np.asarray(local["row"]) for _ in range(g)]
+        key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
+        t0 = time.perf_counter()
+        out, envs = run(model, state.policy.params, task, rows, key, temperature=sampling.temperature,
+                        top_k=sampling.top_k, top_p=sampling.top_p)
+        t1 = time.perf_counter()
+        host = reward.host_scores(rewards_lib.RewardInput.from_sample(out.sample), {"env_reward": out.rewards},
+                                  drop_unscored=True)
+        prepared, m_score = jax.block_until_ready(score(state, out.sample, {}, host, rng))
+        t2 = time.perf_counter()
+        state, m_train = jax.block_until_ready(update(state, prepared, rng))
+        t3 = time.perf_counter()
+        tokens = float(np.asarray(out.sample.response_mask).sum())
+        metrics = {**m_score, **m_train, **timing.split_metrics(t1 - t0, t2 - t1, t3 - t2, tokens),
+                   **episode_metrics(out, envs)}
+        return state, metrics
+
+    monitor = phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
+    state, last = run_phase(
+        phases._phase("grpo", cfg, train, show=("reward/mean", "episode/turns", "episode/well_formed_calls",
+                                                "eval/accuracy", timing.TOKENS_PER_S)),
+        workdir=workdir, state=state, step_fn=step, batches=batches, rng=rng, writer=writer, monitor=monitor,
+        eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None, should_stop=should_stop,
+        **phases._stopping(early_stop, "policy"))
+    return state.policy.params, last
+
+
+__all__ = ["episode_metrics", "grpo_episode_phase", "make_episode_accuracy_fn", "run"]

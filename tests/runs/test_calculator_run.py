@@ -1,0 +1,94 @@
+"""The built-in calculator task end to end (`configs/calculator_grpo.py:tiny` through
+`python -m jaxrlhf.train`): SFT on the expert's demonstrations teaches well-formed calls,
+GRPO runs on episodes with the environment's reward, the episode metrics are logged, and
+the sequences the trainer scores are the sampled ones (sampler = trainer log-probs)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import _xla
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train(*args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXRLHF_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla.flags(None))
+    return subprocess.run([sys.executable, "-m", "jaxrlhf.train", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_tiny_calculator_config_trains_on_episodes(tmp_path):
+    proc = _train("--config=configs/calculator_grpo.py:tiny", f"--workdir={tmp_path}", "--config.train.export=False")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    # an untrained policy writes no well-formed call; SFT on the demonstrations does, and calls the calculator
+    assert stages["start"]["well_formed_calls"] < 0.5
+    assert stages["after SFT"]["well_formed_calls"] >= 0.9 and stages["after SFT"]["tool_calls"] >= 0.5
+    assert {"accuracy", "reward", "turns", "tool_errors/malformed"} <= set(stages["after GRPO"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k[len("grpo/"):]: v for k, v in r.items() if k.startswith("grpo/")} for r in rows]
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["finite"] == 1 and math.isfinite(r["loss"]) and math.isfinite(r["reward/env"])
+        assert r["reward/mean"] == pytest.approx(r["reward/env"]) == pytest.approx(r["episode/reward"], abs=1e-6)
+        for key in ("episode/turns", "episode/tool_calls", "episode/well_formed_calls", "episode/cut/turns",
+                    "episode/tool_errors/malformed", "episode/env_seconds", "time/rollout_s"):
+            assert math.isfinite(r[key]), key
+        # the policy mask has holes: environment tokens sit in the sequence, and the loss
+        # counts the policy's only (response_length is the policy mask's count)
+        assert r["episode/env_tokens"] > 0
+        assert r["response_length/mean"] == pytest.approx(r["episode/policy_tokens"])
+        # the trainer's log-probs over whole episodes are the sampler's
+        assert r["logp_mismatch"] < 1e-4
+
+
+def test_your_environment_class_on_jsonl_rows(tmp_path):
+    """task.name='env': an environment class by import path (`env.cls`, here the calculator's
+    own, made once per episode) on the rows of JSONL files, GRPO on its episodes."""
+    from jaxrlhf.data import calculator as calc
+    from jaxrlhf.runs import config_base as base
+    from jaxrlhf.runs import train_and_evaluate
+
+    task = calc.CalculatorTask(num_terms=2, num_digits=2)
+    for name, split, n in (("train.jsonl", "train", 32), ("test.jsonl", "test", 8)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in calc.make_rows(task, n, split=split)))
+    c = base.mlc.ConfigDict()
+    c.algorithm, c.seed = "grpo", 0
+    base.parallel(c)
+    c.task = base.env_task(path=str(tmp_path / "train.jsonl"), test_path=str(tmp_path / "test.jsonl"),
+                                  max_prompt_tokens=8)
+    c.env = base.env(cls="jaxrlhf.data.calculator:CalculatorEnv", max_turns=2, max_turn_tokens=6, max_total_tokens=16)
+    c.reward = base.reward()
+    c.model = base.model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
+                         head_dim=16)
+    c.sft = base.sft(steps=0)
+    c.grpo = base.grpo(steps=2, prompts_per_step=4, sampling=dict(num_samples=2))
+    c.train = base.train(log_every=1, eval_every=0, progress=False, tensorboard=False, export=False)
+    summary = train_and_evaluate(c, tmp_path / "run")
+    assert {"accuracy", "reward", "turns", "tool_calls"} <= set(summary["stages"]["after GRPO"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "grpo/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["grpo/reward/env"]) and "grpo/episode/turns" in r for r in rows)
+
+
+def test_env_cls_is_read_as_a_token_or_a_text_environment():
+    from jaxrlhf.data import calculator as calc
+    from jaxrlhf.runs import tasks
+
+    make, stops = tasks.make_env_factory({"cls": "jaxrlhf.data.calculator:CalculatorEnv"})
+    assert isinstance(make(), calc.CalculatorEnv) and stops == calc.STOP_IDS
+    # a text environment (step(assistant_text)) needs a chat template to become tokens
+    with pytest.raises(ValueError, match="chat template"):
+        tasks.make_env_factory({"cls": "jaxrlhf.envs:ToolEnv"}, tokenizer=calc.TOKENIZER)
+    with pytest.raises(ValueError, match="env.cls is empty"):
+        tasks.make_env_factory({})
+    with pytest.raises(ValueError, match="env.cls='nowhere:Env'"):
+        tasks.make_env_factory({"cls": "nowhere:Env"})
