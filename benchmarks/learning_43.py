@@ -123,13 +123,13 @@ def section(markdown_table: str, *, variant: str, seeds, when: str, machine: str
             f"{markdown_table}{chr(10) + note + chr(10) if note else ''}{END}\n")
 
 
-def write(path: Path, text: str) -> None:
-    """`text` (begins with BEGIN, ends with END) in place of the marked section of `path`,
-    or appended."""
+def write(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """`text` (begins with `begin`, ends with `end`) in place of the marked section of
+    `path`, or appended."""
     old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + text.rstrip("\n") + rest.split(END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + text.rstrip("\n") + rest.split(end, 1)[1]
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + text
     path.write_text(new)
