@@ -155,7 +155,7 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     """On-policy distillation (`algorithms.opd`) of the policy `params` from the teacher of
     `cfg.teacher_path` on the task's prompts; returns `(params, last_metrics)`.
 
-    GRPO's sharded rollout, scoring and update (`phases._rl_step`), the teacher's params
+    GRPO's sharded rollout, scoring and update (`phases.rl_step`), the teacher's params
     in the state (`OPDState.teacher_params`) in the shardings of its own model under the
     run's rules, read straight into them from its folder; (β > 0) the reference is the
     policy's start, as in GRPO."""
@@ -165,7 +165,7 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
                                          runtime={f: getattr(model.config, f) for f in RUNTIME_FIELDS})
     tx, schedule = phases.optimizer(cfg.optim, "opd.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     keys = task.extra_keys
-    batches = phases._batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)},
+    batches = phases.array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)},
                               cfg.prompts_per_step, cfg.seed, placement, "opd.prompts_per_step")
     p_sh, t_sh = placement.param_shardings(model), placement.param_shardings(teacher)
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
@@ -173,17 +173,17 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     make = lambda p, tp: opd.init_state(p, tx, tp, ref_params=p if own_reference else None, cfg=gcfg)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), placement.place(t_params, t_sh),
                                            params_shardings=p_sh, roles={"teacher_params": t_sh})
-    step = phases._rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward, train,
+    step = phases.rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward, train,
                            placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
                            drop_unscored=True,
-                           completions=phases._completions(train, writer, "opd", lambda s: s.reward_params))
+                           completions=phases.completions_sink(train, writer, "opd", lambda s: s.reward_params))
     state, last = run_phase(
-        phases._phase("opd", cfg, train, show=("distill/reverse_kl", "reward/mean", "eval/accuracy",
+        phases.phase_config("opd", cfg, train, show=("distill/reverse_kl", "reward/mean", "eval/accuracy",
                                                timing.TOKENS_PER_S)),
         workdir=workdir, state=state, step_fn=step, batches=batches, rng=rng, writer=writer,
         monitor=phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low),
         eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None, should_stop=should_stop,
-        **phases._stopping(early_stop, "policy"))
+        **phases.stopping_options(early_stop, "policy"))
     return state.policy.params, last
 
 

@@ -164,7 +164,7 @@ def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer
             raise ValueError(f"grpo.{name}={cfg[name]!r}: not with episodes (task.name={task.name!r}); turn it off")
     tx, schedule = phases.optimizer(cfg.optim, "grpo.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     spec = task.episodes
-    batches = phases._batches({"row": np.arange(len(spec.rows))}, cfg.prompts_per_step, cfg.seed, placement,
+    batches = phases.array_batches({"row": np.arange(len(spec.rows))}, cfg.prompts_per_step, cfg.seed, placement,
                               "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
@@ -196,11 +196,11 @@ def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer
 
     monitor = phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
-        phases._phase("grpo", cfg, train, show=("reward/mean", "episode/turns", "episode/well_formed_calls",
+        phases.phase_config("grpo", cfg, train, show=("reward/mean", "episode/turns", "episode/well_formed_calls",
                                                 "eval/accuracy", timing.TOKENS_PER_S)),
         workdir=workdir, state=state, step_fn=step, batches=batches, rng=rng, writer=writer, monitor=monitor,
         eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None, should_stop=should_stop,
-        **phases._stopping(early_stop, "policy"))
+        **phases.stopping_options(early_stop, "policy"))
     return state.policy.params, last
 
 

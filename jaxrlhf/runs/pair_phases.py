@@ -14,7 +14,7 @@ from jaxrlhf.algorithms import dpo, reward_model
 from jaxrlhf.models import lora
 from jaxrlhf.runs import policy_pairs, setup
 from jaxrlhf.runs.loop import run_phase
-from jaxrlhf.runs.phases import _batches, _phase, _sharded_step, _stopping, _timed_update, library_config, optimizer
+from jaxrlhf.runs.phases import array_batches, phase_config, sharded_step, stopping_options, timed_update, library_config, optimizer
 from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.stopping import EarlyStop
 from jaxrlhf.runs.tasks import Task
@@ -116,19 +116,19 @@ def _reward_model_member(cfg, train, k: int, *, pairs, rcfg, evaluate, policy_mo
     model, params = reward_model.init_from_policy(policy_model, policy_params, seed=seed)
     params = setup.start_adapters(model, params, fresh=True, seed=seed + 1)
     tx, schedule = optimizer(cfg.optim, "reward_model.optim", total_steps=cfg.steps)
-    batches = _batches({key: pairs[key] for key in dpo.PAIR_KEYS}, cfg.batch_size, seed, placement,
+    batches = array_batches({key: pairs[key] for key in dpo.PAIR_KEYS}, cfg.batch_size, seed, placement,
                        "reward_model.batch_size")
     p_sh = placement.param_shardings(model)
     state, state_sh = placement.init_state(lambda p: reward_model.init_state(p, tx), placement.place(params, p_sh),
                                            params_shardings=p_sh)
-    step = _sharded_step(reward_model.make_train_step(model, tx, rcfg), placement, state_sh, cfg.batch_size)
+    step = sharded_step(reward_model.make_train_step(model, tx, rcfg), placement, state_sh, cfg.batch_size)
     eval_step = reward_model.make_eval_step(model, rcfg)
     name = "reward_model" if k == 0 else f"reward_model_{k}"
     state, _ = run_phase(
-        _phase(name, cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
-        workdir=workdir, state=state, step_fn=_timed_update(step, schedule), batches=batches,
+        phase_config(name, cfg, train, show=("loss", "accuracy", "eval/accuracy", "eval/policy_pairs/accuracy")),
+        workdir=workdir, state=state, step_fn=timed_update(step, schedule), batches=batches,
         rng=rng if k == 0 else jax.random.fold_in(rng, k), writer=writer,
-        eval_fn=lambda s: evaluate(eval_step, s.params), should_stop=should_stop, **_stopping(early_stop))
+        eval_fn=lambda s: evaluate(eval_step, s.params), should_stop=should_stop, **stopping_options(early_stop))
     return model, state.params
 
 
@@ -151,9 +151,9 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
     test_pairs = _reference_logprobs(model, reference, task.test_pairs, placement)
     keys = dpo.PAIR_KEYS + dpo.REF_KEYS
     tx, schedule = optimizer(cfg.optim, "dpo.optim", total_steps=cfg.steps)
-    batches = _batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "dpo.batch_size")
+    batches = array_batches({k: train_pairs[k] for k in keys}, cfg.batch_size, cfg.seed, placement, "dpo.batch_size")
     state, state_sh = placement.init_state(lambda p: dpo.init_state(p, tx), params, params_shardings=p_sh)
-    step = _sharded_step(dpo.make_train_step(model, tx, dcfg), placement, state_sh, cfg.batch_size)
+    step = sharded_step(dpo.make_train_step(model, tx, dcfg), placement, state_sh, cfg.batch_size)
     eval_step = dpo.make_eval_step(model, dcfg)
     pair_eval = lambda p: _pair_eval(eval_step, p, test_pairs, keys, placement)
 
@@ -162,9 +162,9 @@ def dpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, pl
         return {**out, **(eval_fn(state.params) if eval_fn else {})}
 
     state, _ = run_phase(
-        _phase("dpo", cfg, train, show=("loss", "reward_accuracy", "eval/accuracy")), workdir=workdir,
-        state=state, step_fn=_timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
-        eval_fn=evaluate, should_stop=should_stop, **_stopping(early_stop))
+        phase_config("dpo", cfg, train, show=("loss", "reward_accuracy", "eval/accuracy")), workdir=workdir,
+        state=state, step_fn=timed_update(step, schedule), batches=batches, rng=rng, writer=writer,
+        eval_fn=evaluate, should_stop=should_stop, **stopping_options(early_stop))
     return state.params, pair_eval(state.params)
 
 

@@ -52,7 +52,7 @@ from jaxrlhf.runs.tasks import Task
 log = logging.getLogger("jaxrlhf")
 
 
-def _batches(arrays: dict, batch_size: int, seed: int, placement: Placement, field: str) -> ArrayBatches:
+def array_batches(arrays: dict, batch_size: int, seed: int, placement: Placement, field: str) -> ArrayBatches:
     """This process's rows of each global batch of `batch_size` (the config field `field`)."""
     n = next(iter(arrays.values())).shape[0]
     if batch_size > n:
@@ -60,7 +60,7 @@ def _batches(arrays: dict, batch_size: int, seed: int, placement: Placement, fie
     return ArrayBatches(arrays, placement.batch_iterator(n, batch_size, seed=seed, field=field))
 
 
-def _sharded_step(step_fn, placement: Placement, state_shardings, rows: int):
+def sharded_step(step_fn, placement: Placement, state_shardings, rows: int):
     """`step(state, local_rows, rng)`: the global batch assembled from each process's rows,
     then `step_fn` jitted for the mesh (`parallel.jit_step`, the state donated)."""
     jitted = placement.jit_step(step_fn, state_shardings)
@@ -103,14 +103,14 @@ def library_config(name: str, cfg, task: Task, *, monitor=None):
     raise ValueError(f"no phase {name!r}")
 
 
-def _phase(name, cfg, train, **kw) -> PhaseConfig:
+def phase_config(name, cfg, train, **kw) -> PhaseConfig:
     return PhaseConfig(name=name, num_steps=cfg.steps, log_every=train.log_every, eval_every=train.eval_every,
                        checkpoint_every=train.checkpoint_every, keep_checkpoints=train.keep_checkpoints,
                        max_param_norm_change=train.max_param_norm_change, progress=train.progress,
                        checkpoint_every_s=train.get("checkpoint_every_s"), hooks=load_hooks(train.get("hooks")), **kw)
 
 
-def _stopping(early_stop: EarlyStop | None, role: str | None = None) -> dict:
+def stopping_options(early_stop: EarlyStop | None, role: str | None = None) -> dict:
     """`run_phase`'s early-stopping arguments; the trained parameters are `state.params`,
     or `state.<role>.params` (GRPO's policy, PPO's actor)."""
     def params_of(state):
@@ -124,7 +124,7 @@ def _stopping(early_stop: EarlyStop | None, role: str | None = None) -> dict:
     return dict(early_stop=early_stop, params_of=params_of, with_params=with_params)
 
 
-def _timed_update(step_fn, schedule):
+def timed_update(step_fn, schedule):
     """A one-update step (SFT, reward model, DPO) with its `time/update_s` (the step waited
     for) and `lr` in the metrics."""
     def step(state, batch, rng):
@@ -151,16 +151,16 @@ def update_phase(name: str, cfg, train, *, arrays: dict, make_step, model, param
     placement = placement or Placement.local()
     section = section or name
     tx, schedule = optimizer(cfg.optim, f"{section}.optim", total_steps=cfg.steps)
-    batches = _batches(arrays, cfg.batch_size, cfg.seed, placement, f"{section}.batch_size")
+    batches = array_batches(arrays, cfg.batch_size, cfg.seed, placement, f"{section}.batch_size")
     p_sh = placement.param_shardings(model)
     make = init_state or common.TrainState.create
     state, state_sh = placement.init_state(lambda p: make(p, tx), placement.place(params, p_sh),
                                            params_shardings=p_sh)
-    step = _sharded_step(make_step(model, tx), placement, state_sh, cfg.batch_size)
+    step = sharded_step(make_step(model, tx), placement, state_sh, cfg.batch_size)
     state, last = run_phase(
-        _phase(name, cfg, train, show=show), workdir=workdir, state=state, step_fn=_timed_update(step, schedule),
+        phase_config(name, cfg, train, show=show), workdir=workdir, state=state, step_fn=timed_update(step, schedule),
         batches=batches, rng=rng, writer=writer, monitor=monitor,
-        eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop, **_stopping(early_stop))
+        eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop, **stopping_options(early_stop))
     return state.params, last
 
 
@@ -204,7 +204,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     (`GRPOState.reward_params`) in the shardings of its own model under the run's rules.
 
     The policy and (β > 0) the reference share the model's shardings. The step is a
-    sharded rollout, scoring and update, timed (`_rl_step`); a host reward (text, e.g. the
+    sharded rollout, scoring and update, timed (`rl_step`); a host reward (text, e.g. the
     JSONL task's answer check) runs between the rollout and the scoring, each process
     scoring the responses of its own prompts.
     """
@@ -214,7 +214,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     keys = task.extra_keys + (task.reference_keys(f"grpo.guide_coef={gcfg.guide_coef}") if gcfg.guide_coef else ())
     dynamic_pool = cfg.dynamic_sampling and cfg.pool_size is not None
     pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
-    batches = _batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
+    batches = array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
                        "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
     # With LoRA adapters the reference is the policy's own base (`grpo.reference_params`).
@@ -230,22 +230,22 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
                                               reward_params=rp)
     state, state_sh = placement.init_state(make, *args, params_shardings=p_sh, roles=roles)
     # The task pads every prompt to one length already: no buckets.
-    step = _rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
+    step = rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
                     keys, pool, gcfg.sampling, task=task, drop_unscored=True,
-                    completions=_completions(train, writer, "grpo", lambda s: s.reward_params,
+                    completions=completions_sink(train, writer, "grpo", lambda s: s.reward_params,
                                              with_advantage=not gcfg.dynamic_sampling))
     monitor = health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
-        _phase("grpo", cfg, train, show=("reward/mean", "kl/mean", "response_length/mean", "eval/accuracy",
+        phase_config("grpo", cfg, train, show=("reward/mean", "kl/mean", "response_length/mean", "eval/accuracy",
                                           timing.TOKENS_PER_S)),
         workdir=workdir, state=state, step_fn=step, batches=batches,
         rng=rng, writer=writer, monitor=monitor, eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None,
-        should_stop=should_stop, **_stopping(early_stop, "policy"))
+        should_stop=should_stop, **stopping_options(early_stop, "policy"))
     return state.policy.params, last
 
 
-def _completions(train, writer, phase: str, params_of, *, with_advantage: bool = True):
-    """`_rl_step`'s `completions` of a phase: `(every, sink(rows, step), params_of(state) ->
+def completions_sink(train, writer, phase: str, params_of, *, with_advantage: bool = True):
+    """`rl_step`'s `completions` of a phase: `(every, sink(rows, step), params_of(state) ->
     the reward model's params, with_advantage)`, or None with `train.log_completions_every` 0."""
     every = train.log_completions_every
     if not every:
@@ -260,7 +260,7 @@ def _advantages(prepared):
     return batch.advantages, batch.response_mask
 
 
-def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
+def rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
              rows: int, sampling, *, task: Task, completions=None, drop_unscored: bool = False):
     """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
     `drop_unscored`: the phase drops a row no weighted host reward scores (GRPO, PPO), which is
@@ -273,13 +273,13 @@ def _rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: 
     responses on the host too: each process cuts its own after the rollout, before any
     scoring. Otherwise, with a pure-JAX reward, one sharded program (`parts.fused`), untimed.
 
-    `completions` (`_completions`): every N steps the first rows of this process's scored
+    `completions` (`completions_sink`): every N steps the first rows of this process's scored
     responses go to its sink (`runs.completions`), the reward's JAX components evaluated
     once more on them before the update; the step then runs split."""
     if reward.is_jax and not train.time_split and not task.stop_strings and completions is None:
         def fused(state, batch, rng):
             return parts.fused(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
-        return _sharded_step(fused, placement, state_sh, rows)
+        return sharded_step(fused, placement, state_sh, rows)
     update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
     compiled = {}
 
@@ -381,7 +381,7 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     (`ppo.reward="task"`), the task's own reward given the task's extras; with a
     `model_weight` too, the task's reward plus that reward model's score at that weight (a
     pretrained one, `reward.model_path`: `runs.reward_folder`). The step is a
-    sharded rollout, scoring and update, timed (`_rl_step`); host (text) reward
+    sharded rollout, scoring and update, timed (`rl_step`); host (text) reward
     components, e.g. the JSONL task's answer check or Python rewards of the `reward`
     section, are scored on each process's responses in between, as in GRPO. The held-out
     exact-match accuracy (the true reward, `eval/accuracy`)
@@ -453,21 +453,21 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
 
     state, state_sh = placement.init_state(make, *args, roles=roles)
     parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
-    step = _rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
+    step = rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
                     pcfg.sampling, task=task, drop_unscored=True,
-                    completions=_completions(train, writer, "ppo", lambda s: on_actor(s.actor.params, s.reward_params)))
+                    completions=completions_sink(train, writer, "ppo", lambda s: on_actor(s.actor.params, s.reward_params)))
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
 
     state, last = run_phase(
-        _phase("ppo", cfg, train, show=("reward/mean", "kl/k1", "eval/accuracy", timing.TOKENS_PER_S)), workdir=workdir, state=state,
+        phase_config("ppo", cfg, train, show=("reward/mean", "kl/k1", "eval/accuracy", timing.TOKENS_PER_S)), workdir=workdir, state=state,
         step_fn=step,
-        batches=_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
+        batches=array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
                          cfg.seed, placement, "ppo.prompts_per_step"),
         rng=rng, writer=writer, monitor=health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target),
         eval_fn=evaluate,
-        should_stop=should_stop, **_stopping(early_stop, "actor"))
+        should_stop=should_stop, **stopping_options(early_stop, "actor"))
     params = state.actor.params
     if pcfg.shared:
         params = {k: v for k, v in params.items() if k != "value_head"}
