@@ -22,7 +22,8 @@ Measured 2026-12-06 on a 2-core VM shared with other jobs (load average 6-9), he
 greedy exact match on the 200 test sums, seed 0: after SFT 0.520 -> after GRPO 0.960
 (+44.0 points); well-formed calls 100 % after SFT and after GRPO; calculator calls per
 episode 1.05 -> 2.00; 276 s in all (SFT 0.31 s a step, GRPO 0.82 s a step, rollout 38 %).
-Seed 1 (`--config.seed=1`): 0.515 -> 0.975 (+46.0 points), 100 % well-formed, 203 s.
+Seed 1 (`--config.seed=1`): 0.515 -> 0.975 (+46.0 points), 100 % well-formed, 203 s; seed 2:
+0.505 -> 0.965 (+46.0), 184 s (`benchmarks/learning_44.py`, docs/results.md).
 SFT has reached its plateau: a run with twice the steps of each phase (800 SFT on a
 schedule of 800, 200 GRPO), evaluated every 50 steps, was flat after SFT step 250 (0.475 to
 0.55; 0.525 at step 800) and ended at 0.990 (+46.5 points, 722 s; GRPO at 0.965 by its
