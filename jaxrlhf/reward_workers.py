@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import logging
 import multiprocessing
 import pickle
@@ -36,6 +35,8 @@ import time
 import traceback
 import weakref
 from typing import Callable
+
+from jaxrlhf import imports
 
 log = logging.getLogger("jaxrlhf")
 
@@ -57,19 +58,9 @@ def import_fn(spec: str) -> Callable:
     """The callable at import path `spec`, "package.module:function" (a dotted attribute
     path after the colon works too); a ValueError naming `spec` when it does not import, has
     no such attribute or is not callable."""
-    module_name, sep, attr = spec.strip().partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected an import path 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
-        raise ValueError(f"reward {spec!r}: module {module_name!r} does not import ({type(e).__name__}: {e}); "
-                         "is its folder on PYTHONPATH?") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = imports.import_object(spec, label=f"reward {spec!r}", what="package.module:function")
     if not callable(obj):
+        attr = spec.strip().partition(":")[2]
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
     return obj
 

@@ -37,8 +37,9 @@ limits (`kind="env_tokens"`: an observation over its size), which the engine cou
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from jaxrlhf import imports
 
 
 class Step(NamedTuple):
@@ -101,20 +102,8 @@ def name_of(env: Any) -> str:
 def import_object(spec: str, field: str, what: str = "package.module:name") -> Any:
     """The object at import path `spec` ("package.module:name", dotted attributes allowed);
     a ValueError naming `field` and `spec` when the path is not of that form, the module
-    does not import or has no such attribute."""
-    module_name, sep, attr = str(spec).strip().partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{field}={spec!r}: expected an import path '{what}'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - ImportError, or any error the module raises on import
-        raise ValueError(f"{field}={spec!r}: module {module_name!r} does not import ({type(e).__name__}: {e}); "
-                         "is its folder on PYTHONPATH?") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    does not import or has no such attribute (`jaxrlhf.imports`)."""
+    return imports.import_object(spec, label=f"{field}={spec!r}", what=what)
 
 
 def import_env(spec: str, field: str = "env.cls") -> type:
