@@ -151,7 +151,7 @@ def test_a_text_environment_with_tools_from_the_command_line(files, tmp_path):
     root, _ = files
     proc = _train(root, f"--workdir={tmp_path / 'tools'}", "--config.env.cls=my_envs:Arithmetic",
                   "--config.env.tools=my_envs:add,my_envs:mul",
-                  "--config.task.max_prompt_tokens=768")  # the tools' schemas in a tiny BPE's tokens
+                  "--config.env.tool_timeout=5", "--config.task.max_prompt_tokens=768")  # the tools' schemas: 700 tokens
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _grpo_rows(tmp_path / "tools")
     assert len(rows) == 2
@@ -186,10 +186,17 @@ def test_a_plain_text_environment_from_the_command_line(files, tmp_path):
     assert summary["stages"]["start"]["reward"] == 1.0 and summary["stages"]["start"]["env_tokens"] > 0
 
 
-def test_an_env_cls_that_does_not_import_stops_the_run_before_any_work(files, tmp_path):
+def test_what_is_wrong_stops_the_run_before_any_work(files, tmp_path):
+    """An `env.cls` that does not import, and a first row whose prompt is over
+    `task.max_prompt_tokens`: a last line naming the option, and no workdir."""
     root, _ = files
-    proc = _train(root, f"--workdir={tmp_path / 'bad'}", "--config.env.cls=no_such_module:Env")
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: env.cls='no_such_module:Env'") and "does not import" in last, last
-    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+    for name, args, start, words in [
+            ("bad_cls", ["--config.env.cls=no_such_module:Env"], "error: env.cls='no_such_module:Env'",
+             "does not import"),
+            ("long", ["--config.env.cls=my_envs:Arithmetic", "--config.env.tools=my_envs:add,my_envs:mul"],
+             "error: task.path: the first row's prompt", "over task.max_prompt_tokens=160")]:
+        proc = _train(root, f"--workdir={tmp_path / name}", *args)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(start) and words in last, last
+        assert not (tmp_path / name).exists() or not any((tmp_path / name).iterdir())
