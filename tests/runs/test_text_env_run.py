@@ -200,3 +200,24 @@ def test_what_is_wrong_stops_the_run_before_any_work(files, tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith(start) and words in last, last
         assert not (tmp_path / name).exists() or not any((tmp_path / name).iterdir())
+
+
+def test_the_env_options_reach_the_environment(files, monkeypatch):
+    """`env.tool_timeout` becomes the ToolEnv's `timeout_s` (an error for another class),
+    `env.max_env_chars` the ChatEpisode's limit, `task.stop_tokens` a stop id."""
+    from transformers import AutoTokenizer
+
+    from jaxrlhf.runs import env_task
+
+    root, ckpt = files
+    monkeypatch.syspath_prepend(str(root / "user_envs"))
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    make, stops = env_task.make_env_factory({"cls": "my_envs:Arithmetic", "tools": "my_envs:add,my_envs:mul",
+                                              "tool_timeout": 2.5, "max_env_chars": 300}, tokenizer=tok)
+    episode = make()
+    assert stops is None and episode.max_env_chars == 300
+    assert episode.env.timeout_s == 2.5 and [t.name for t in episode.env.tools] == ["add", "mul"]
+    with pytest.raises(ValueError, match="env.tool_timeout=2.5: env.cls='my_envs:Twice' is not an envs.ToolEnv"):
+        env_task.make_env_factory({"cls": "my_envs:Twice", "tool_timeout": 2.5}, tokenizer=tok)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end not in env_task.text_stop_ids(tok, "", "") and end in env_task.text_stop_ids(tok, "", "<|im_end|>")
