@@ -4,7 +4,7 @@
 A step's rollout is `rollout.episodes.run_episodes` over the step's rows, G episodes per
 row (`grpo.sampling.num_samples`), each with its own environment instance reset with the
 same row. The episode's reward is handed to the task's host reward component "env"
-(`tasks.episode_reward`: logged as `reward/env`, beside any Python rewards of the `reward`
+(`env_task.episode_reward`: logged as `reward/env`, beside any Python rewards of the `reward`
 section, which see the whole episode's text), then GRPO's own scoring and update
 (`grpo.split`'s `score` and `train`, jitted): the sample's `response_mask` is the policy
 mask, so the loss, KL and advantages count the policy's tokens only, never the

@@ -5,7 +5,7 @@ those of an algorithm registered by the user (`runs.registry`, docs/extending.md
 
 Every phase's counts and batch shapes are checked against the mesh before any work
 (`runs.validation`), and the task is built then too, its tokenizer-dependent options
-checked (`tasks.build_task`), with the Python rewards of the `reward` section imported
+checked (`env_task.build_task`), with the Python rewards of the `reward` section imported
 (`tasks.python_rewards`; they join the task's reward, `tasks.with_python_rewards`). Each
 phase checkpoints under `workdir/<phase>/` and a rerun with the
 same workdir resumes; the run holds the workdir's lock, and its config must be the one that
@@ -66,7 +66,8 @@ from jaxrlhf.runs.metrics import MetricsWriter, start_wandb
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.episode_phase import make_episode_accuracy_fn
 from jaxrlhf.runs.held_out import make_accuracy_fn
-from jaxrlhf.runs.tasks import build_task, python_rewards, with_python_rewards
+from jaxrlhf.runs.env_task import build_task
+from jaxrlhf.runs.tasks import python_rewards, with_python_rewards
 from jaxrlhf.runs.workdir import claim
 
 log = logging.getLogger("jaxrlhf")

@@ -318,6 +318,19 @@ class AdditionTask:
     seed: int = option(0, "the seed of the generated questions")
 
 
+def _stop_tokens():
+    """`task.stop_tokens` of the tasks with a Hugging Face tokenizer (`_TextTask`, `EnvTask`)."""
+    return option("", "more tokens that end a response (an episode's policy turn) besides the tokenizer's EOS and "
+                  "the checkpoint's generation_config.json eos_token_ids (token strings or ids, comma-separated: "
+                  "'<|im_end|>')")
+
+
+def _template_timeout():
+    """`task.chat_template_timeout` of the tasks with a Hugging Face tokenizer."""
+    return option(10.0, "the seconds one rendering of the chat template may take: a template that loops past it "
+                  "stops the run, naming the template and the row (`data.chat`); None: no limit", above=0)
+
+
 @_frozen
 class _TextTask:
     """The options every task of a Hugging Face tokenizer has."""
@@ -327,16 +340,13 @@ class _TextTask:
     max_new_tokens: int = option(256, "the held-out evaluation's response tokens", min=1)
     chat_template: bool = option(True, "prompts through the tokenizer's chat template")
     system_prompt: str = option("", "a system turn before every prompt ('': none)")
-    stop_tokens: str = option("", "more tokens that end a response besides the tokenizer's EOS and the checkpoint's "
-                              "generation_config.json eos_token_ids (token strings or ids, comma-separated)")
+    stop_tokens: str = _stop_tokens()
     stop_strings: str = option("", "text that ends a response, comma-separated ('</answer>,\\n\\n') or a JSON list "
                                "when one holds a comma; each response is cut on the host after the first token at "
                                "which its text contains one (`rollout.stop_strings`)")
     chat_template_kwargs: str = option("", "a JSON object of extra chat-template variables for every rendering "
                                        "('{\"enable_thinking\": false}')")
-    chat_template_timeout: float | None = option(10.0, "the seconds one rendering of the chat template may take: a "
-                                                 "template that loops past it stops the run, naming the template "
-                                                 "and the row (`data.chat`); None: no limit", above=0)
+    chat_template_timeout: float | None = _template_timeout()
     long_prompts: str = option("drop", "a prompt over max_prompt_tokens is 'drop'ped (counted as too_long) or "
                                "'left_truncate'd to its last max_prompt_tokens tokens (counted)",
                                choices=("drop", "left_truncate"))
@@ -409,7 +419,7 @@ class CalculatorTask:
 
 @_frozen
 class EnvSection:
-    """The episodes of a task that runs them (task.name='calculator'): the environment
+    """The episodes of a task that runs them (task.name='calculator' or 'env'): the environment
     and the limits of every episode (`rollout.episodes.run_episodes`)."""
 
     cls: str = option("", "the import path 'pkg.mod:Class' of the environment, made once per episode: a token "
@@ -428,6 +438,13 @@ class EnvSection:
     max_env_tokens: int = option(16, "tokens of one environment reply at most (a longer one cuts the episode)",
                                  min=1)
     cut_reward: float = option(0.0, "the reward of an episode cut by a limit")
+    max_env_chars: int | None = option(100_000, "characters of one text environment reply at most (the summed "
+                                       "content of a step's new messages): a longer one is not rendered nor "
+                                       "tokenised and cuts the episode like max_env_tokens (`envs.ChatEpisode`); "
+                                       "None: no limit", min=1)
+    tool_timeout: float | None = option(None, "seconds one tool call may take, for an `envs.ToolEnv` env.cls (its "
+                                        "timeout_s; a call past it is a 'timeout' observation); None: the class's "
+                                        "own (ToolEnv's default: 10 s)", above=0)
 
 
 @_frozen
@@ -444,6 +461,8 @@ class EnvTask:
                                        "environment's renderings ('{\"enable_thinking\": false}')")
     max_prompt_tokens: int = option(256, "the longest first prompt (the environment's reset) an episode may have",
                                     min=1)
+    stop_tokens: str = _stop_tokens()
+    chat_template_timeout: float | None = _template_timeout()
 
 
 TASK_SECTIONS = {"addition": AdditionTask, "jsonl": JsonlTask, "word_problems": WordProblemsTask,

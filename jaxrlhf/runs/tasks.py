@@ -10,7 +10,8 @@ other field of a row travels with its prompt as a reward extra. The config's `re
 section adds Python rewards by import path to any task's own (`with_python_rewards`).
 "calculator" is the built-in multi-turn tool task (`data.calculator`): its reward is an
 episode's (`Task.episodes`), the environment's, run by `runs.episode_phase`; "env" runs
-your own environment class (`env.cls`) on the rows of JSONL files the same way.
+your own environment class (`env.cls`) on the rows of JSONL files the same way (both built
+by `runs.env_task`).
 "word_problems" generates one-digit arithmetic questions in words for a real chat model
 (`data.make_word_problems`), scored the same way, plus an optional answer-format reward.
 """
@@ -246,7 +247,7 @@ def _text_task(name: str, tok, train: data.PromptData, test: data.PromptData, cf
         stop_ids=stops, stop_strings=stop_strings.parse(cfg.get("stop_strings", "")))
 
 
-def _tokenizer(cfg, tokenizer_path: str):
+def task_tokenizer(cfg, tokenizer_path: str):
     """The task's Hugging Face tokenizer with its own chat template kept: `task.chat_template`
     decides only whether prompts are rendered through it, and the exported model's
     tokenizer (`workdir/export`) carries the template of the source checkpoint — so the
@@ -339,7 +340,7 @@ def jsonl(cfg, *, tokenizer_path: str) -> Task:
     if kind not in KINDS:
         raise ValueError(f"task.kind={kind!r}; expected one of {KINDS} (prompts: GRPO/PPO, sft: SFT examples, "
                          "pairs: preference pairs for DPO and reward-model training)")
-    tok = _tokenizer(cfg, tokenizer_path)
+    tok = task_tokenizer(cfg, tokenizer_path)
     parse = _file_parser(cfg, tok, kind)
     test_field = "task.test_path" if cfg.test_path else "task.path"
     train = data.read_mixture(cfg.path, parse, data_dir=cfg.data_dir, seed=cfg.seed, **_bounds(cfg))
@@ -389,7 +390,7 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
     """One-digit arithmetic questions in words (`data.make_word_problems`, generated: no
     files) for a Hugging Face chat model; reward = exact answer + `format_weight` × the
     "#### <number>" answer format (`data.answer_format_reward`)."""
-    tok = _tokenizer(cfg, tokenizer_path)
+    tok = task_tokenizer(cfg, tokenizer_path)
 
     def make(num, split, seed):
         records = data.make_word_problems(num, split=split, seed=seed)
@@ -402,143 +403,18 @@ def word_problems(cfg, *, tokenizer_path: str) -> Task:
                       folder=tokenizer_path, format_weight=cfg.format_weight)
 
 
-def episode_reward(tokenizer) -> rewards.Reward:
-    """The reward of an episode task: the environment's episode reward, handed to the host
-    component "env" as the extra `env_reward` (`runs.episode_phase`; logged as `reward/env`)."""
-    return rewards.host_reward(lambda prompts, responses, ex: [float(x) for x in ex["env_reward"]], tokenizer,
-                               name="env")
-
-
-def _episodes(env, make_env, rows, test_rows, stop_ids) -> Episodes:
-    """`Episodes` with the limits of the `env` section (`sections.EnvSection`; None: its defaults)."""
-    e = _env_section(env)
-    return Episodes(make_env=make_env, rows=rows, test_rows=test_rows, stop_ids=tuple(stop_ids),
-                    max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens, max_total_tokens=e.max_total_tokens,
-                    max_env_tokens=e.max_env_tokens, cut_reward=e.cut_reward)
-
-
-def _env_section(env):
-    from jaxrlhf.runs.sections import EnvSection
-
-    return EnvSection(**{k: v for k, v in (env or {}).items()})
-
-
-def _is_text_env(cls) -> bool:
-    """Whether environment class `cls` is a text one (`step(assistant_text)`) rather than a
-    token one (`step(action_ids, cut)`), read from its `step`'s signature."""
-    import inspect
-
-    try:
-        params = [p for p in inspect.signature(cls.step).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # without self
-    except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"env.cls={cls!r}: an environment class needs a step method") from None
-    if len(params) not in (1, 2):
-        raise ValueError(f"env.cls: {cls.__qualname__}.step takes {len(params)} arguments; expected step("
-                         "assistant_text) (a text environment) or step(action_ids, cut) (a token environment)")
-    return len(params) == 1
-
-
-def make_env_factory(env, *, default=None, tokenizer=None, template_kwargs=None):
-    """`(make_env, stop_ids or None)` of the `env` section: `env.cls` (else `default`), made
-    with `env.tools` when given; a text environment wrapped in `envs.ChatEpisode` with
-    `tokenizer`. `stop_ids`: the class's own `stop_ids` attribute, if any."""
-    from jaxrlhf import envs as envs_lib
-
-    e = _env_section(env)
-    if not e.cls and default is None:
-        raise ValueError("env.cls is empty: task.name='env' runs your environment class, 'pkg.mod:Class'")
-    cls = envs_lib.import_env(e.cls) if e.cls else default
-    tools = envs_lib.import_tools(e.tools) if e.tools.strip() else None
-
-    def base():
-        return cls(tools=tools) if tools is not None else cls()
-
-    if not _is_text_env(cls):
-        return base, getattr(cls, "stop_ids", None)
-    if not hasattr(tokenizer, "apply_chat_template"):
-        raise ValueError(f"env.cls={e.cls!r} is a text environment: it needs a Hugging Face tokenizer with a chat "
-                         "template (model.path or task.tokenizer_path)")
-    return (lambda: envs_lib.ChatEpisode(base(), tokenizer, template_kwargs=template_kwargs)), None
-
-
-def _rows(path: str, field: str) -> list:
-    """The rows of JSONL file `path` (the field `field` names it); a bad row is an error."""
-    if not path:
-        raise ValueError(f"{field} is empty: give a JSONL file of rows, one per episode")
-    rows = []
-    for location, record in data.read_records(path):
-        if not isinstance(record, dict):
-            raise ValueError(f"{field}: {location} is not a JSON object ({record})")
-        rows.append(record)
-    if not rows:
-        raise ValueError(f"{field}={path!r}: no rows")
-    return rows
-
-
-def env_task(cfg, env=None, *, model_path: str = "") -> Task:
-    """Your environment (`env.cls`) on the rows of `task.path` / `task.test_path`: the
-    reward is the episode's; a text environment runs through the tokenizer's chat template
-    (`envs.ChatEpisode`). No tokenizer folder: the calculator's character tokenizer."""
-    from jaxrlhf.data import calculator as calc
-
-    folder = cfg.tokenizer_path or model_path
-    tok = _tokenizer(cfg, folder) if folder else calc.TOKENIZER
-    make_env, stops = make_env_factory(env, tokenizer=tok, template_kwargs=template_kwargs(cfg.chat_template_kwargs))
-    if folder:
-        stops = stops or text_stop_ids(tok, folder)
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        vocab, bos, eos = len(tok), tok.bos_token_id, tok.eos_token_id
-        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
-    else:
-        stops = stops or (data.EOS_ID,)
-        pad_id, vocab, bos, eos = data.PAD_ID, tok.vocab_size, data.BOS_ID, data.EOS_ID
-        decode = lambda ids: tok.decode(ids, stop_at_eos=False)
-    episodes = _episodes(env, make_env, _rows(cfg.path, "task.path"), _rows(cfg.test_path, "task.test_path"), stops)
-    return Task(name="env", tokenizer=tok, vocab_size=vocab, pad_id=pad_id, bos_id=bos, eos_id=eos,
-                prompt_len=cfg.max_prompt_tokens, response_len=episodes.max_total_tokens, sft=None, prompts={},
-                test_prompts={}, pairs=None, test_pairs=None, reward=episode_reward(tok), extra_keys=(),
-                decode=decode, stop_ids=tuple(stops), episodes=episodes)
-
-
-def calculator(cfg, env=None) -> Task:
-    """Sums of several numbers with a calculator, in episodes (`data.calculator`): SFT on the
-    expert's demonstrations, GRPO on the environment's reward (exact match of the final answer)."""
-    from jaxrlhf.data import calculator as calc
-
-    task = calc.CalculatorTask(num_terms=cfg.num_terms, num_digits=cfg.num_digits, memory_rate=cfg.memory_rate)
-    tok = calc.TOKENIZER
-    train = calc.make_rows(task, cfg.num_train, split="train", seed=cfg.seed)
-    test = calc.make_rows(task, cfg.num_test, split="test", seed=cfg.seed + 1)
-    make_env, _ = make_env_factory(env, default=calc.CalculatorEnv)
-    episodes = _episodes(env, make_env, train, test, calc.STOP_IDS)
-    if episodes.max_total_tokens < task.episode_len:
-        raise ValueError(f"env.max_total_tokens={episodes.max_total_tokens} is shorter than the expert's longest "
-                         f"episode ({task.episode_len} tokens for task.num_terms={cfg.num_terms}, "
-                         f"num_digits={cfg.num_digits}); raise it")
-    return Task(
-        name="calculator", tokenizer=tok, vocab_size=tok.vocab_size, pad_id=data.PAD_ID, bos_id=data.BOS_ID,
-        eos_id=data.EOS_ID, prompt_len=task.prompt_len, response_len=episodes.max_total_tokens,
-        sft=calc.sft_arrays(task, train), prompts=calc.prompt_arrays(task, train),
-        test_prompts=calc.prompt_arrays(task, test), pairs=None, test_pairs=None, reward=episode_reward(tok),
-        extra_keys=(), decode=lambda ids: tok.decode(ids, stop_at_eos=False), stop_ids=calc.STOP_IDS,
-        episodes=episodes)
-
-
-TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems, "calculator": calculator,
-         "env": env_task}
+TASKS = {"addition": addition, "jsonl": jsonl, "word_problems": word_problems}
+EPISODE_TASKS = ("calculator", "env")  # tasks of multi-turn episodes: `runs.env_task`
 
 
 def build_task(cfg, *, model_path: str = "", env=None) -> Task:
-    """The task of section `cfg` (`task`); `env`: the `env` section, for a task of episodes."""
+    """The task of section `cfg` (`task`) but those of episodes (`EPISODE_TASKS`), which
+    `runs.env_task.build_task` builds (with the others through this function)."""
     if cfg.name not in TASKS:
-        raise ValueError(f"task.name={cfg.name!r}; expected one of {sorted(TASKS)}")
+        hint = "; build it with runs.env_task.build_task" if cfg.name in EPISODE_TASKS else ""
+        raise ValueError(f"task.name={cfg.name!r}; expected one of {sorted((*TASKS, *EPISODE_TASKS))}{hint}")
     if cfg.name in ("jsonl", "word_problems"):
         return TASKS[cfg.name](cfg, tokenizer_path=cfg.tokenizer_path or model_path)
-    if cfg.name == "calculator":
-        return calculator(cfg, env)
-    if cfg.name == "env":
-        return env_task(cfg, env, model_path=model_path)
     return TASKS[cfg.name](cfg)
 
 

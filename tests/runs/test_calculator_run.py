@@ -81,14 +81,14 @@ def test_your_environment_class_on_jsonl_rows(tmp_path):
 
 def test_env_cls_is_read_as_a_token_or_a_text_environment():
     from jaxrlhf.data import calculator as calc
-    from jaxrlhf.runs import tasks
+    from jaxrlhf.runs import env_task
 
-    make, stops = tasks.make_env_factory({"cls": "jaxrlhf.data.calculator:CalculatorEnv"})
+    make, stops = env_task.make_env_factory({"cls": "jaxrlhf.data.calculator:CalculatorEnv"})
     assert isinstance(make(), calc.CalculatorEnv) and stops == calc.STOP_IDS
     # a text environment (step(assistant_text)) needs a chat template to become tokens
     with pytest.raises(ValueError, match="chat template"):
-        tasks.make_env_factory({"cls": "jaxrlhf.envs:ToolEnv"}, tokenizer=calc.TOKENIZER)
+        env_task.make_env_factory({"cls": "jaxrlhf.envs:ToolEnv"}, tokenizer=calc.TOKENIZER)
     with pytest.raises(ValueError, match="env.cls is empty"):
-        tasks.make_env_factory({})
+        env_task.make_env_factory({})
     with pytest.raises(ValueError, match="env.cls='nowhere:Env'"):
-        tasks.make_env_factory({"cls": "nowhere:Env"})
+        env_task.make_env_factory({"cls": "nowhere:Env"})
