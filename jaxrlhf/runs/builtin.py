@@ -166,7 +166,7 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     tx, schedule = phases.optimizer(cfg.optim, "opd.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     keys = task.extra_keys
     batches = phases.array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)},
-                              cfg.prompts_per_step, cfg.seed, placement, "opd.prompts_per_step")
+                                   cfg.prompts_per_step, cfg.seed, placement, "opd.prompts_per_step")
     p_sh, t_sh = placement.param_shardings(model), placement.param_shardings(teacher)
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
     reward = rewards_lib.as_reward(task.reward)
@@ -174,9 +174,9 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), placement.place(t_params, t_sh),
                                            params_shardings=p_sh, roles={"teacher_params": t_sh})
     step = phases.rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward, train,
-                           placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
-                           drop_unscored=True,
-                           completions=phases.completions_sink(train, writer, "opd", lambda s: s.reward_params))
+                          placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
+                          drop_unscored=True,
+                          completions=phases.completions_sink(train, writer, "opd", lambda s: s.reward_params))
     state, last = run_phase(
         phases.phase_config("opd", cfg, train, show=("distill/reverse_kl", "reward/mean", "eval/accuracy",
                                                timing.TOKENS_PER_S)),

@@ -165,7 +165,7 @@ def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer
     tx, schedule = phases.optimizer(cfg.optim, "grpo.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     spec = task.episodes
     batches = phases.array_batches({"row": np.arange(len(spec.rows))}, cfg.prompts_per_step, cfg.seed, placement,
-                              "grpo.prompts_per_step")
+                                   "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
     make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg)

@@ -14,7 +14,8 @@ from jaxrlhf.algorithms import dpo, reward_model
 from jaxrlhf.models import lora
 from jaxrlhf.runs import policy_pairs, setup
 from jaxrlhf.runs.loop import run_phase
-from jaxrlhf.runs.phases import array_batches, phase_config, sharded_step, stopping_options, timed_update, library_config, optimizer
+from jaxrlhf.runs.phases import (array_batches, library_config, optimizer, phase_config, sharded_step, stopping_options,
+                                 timed_update)
 from jaxrlhf.runs.sharding import Placement, pad_rows
 from jaxrlhf.runs.stopping import EarlyStop
 from jaxrlhf.runs.tasks import Task
@@ -117,7 +118,7 @@ def _reward_model_member(cfg, train, k: int, *, pairs, rcfg, evaluate, policy_mo
     params = setup.start_adapters(model, params, fresh=True, seed=seed + 1)
     tx, schedule = optimizer(cfg.optim, "reward_model.optim", total_steps=cfg.steps)
     batches = array_batches({key: pairs[key] for key in dpo.PAIR_KEYS}, cfg.batch_size, seed, placement,
-                       "reward_model.batch_size")
+                            "reward_model.batch_size")
     p_sh = placement.param_shardings(model)
     state, state_sh = placement.init_state(lambda p: reward_model.init_state(p, tx), placement.place(params, p_sh),
                                            params_shardings=p_sh)

@@ -158,9 +158,10 @@ def update_phase(name: str, cfg, train, *, arrays: dict, make_step, model, param
                                            params_shardings=p_sh)
     step = sharded_step(make_step(model, tx), placement, state_sh, cfg.batch_size)
     state, last = run_phase(
-        phase_config(name, cfg, train, show=show), workdir=workdir, state=state, step_fn=timed_update(step, schedule),
-        batches=batches, rng=rng, writer=writer, monitor=monitor,
-        eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop, **stopping_options(early_stop))
+        phase_config(name, cfg, train, show=show), workdir=workdir, state=state,
+        step_fn=timed_update(step, schedule), batches=batches, rng=rng, writer=writer, monitor=monitor,
+        eval_fn=(lambda s: eval_fn(s.params)) if eval_fn else None, should_stop=should_stop,
+        **stopping_options(early_stop))
     return state.params, last
 
 
@@ -214,8 +215,8 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     keys = task.extra_keys + (task.reference_keys(f"grpo.guide_coef={gcfg.guide_coef}") if gcfg.guide_coef else ())
     dynamic_pool = cfg.dynamic_sampling and cfg.pool_size is not None
     pool = cfg.pool_size if dynamic_pool else cfg.prompts_per_step
-    batches = array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed, placement,
-                       "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
+    batches = array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, pool, cfg.seed,
+                            placement, "grpo.pool_size" if dynamic_pool else "grpo.prompts_per_step")
     p_sh = placement.param_shardings(model)
     # With LoRA adapters the reference is the policy's own base (`grpo.reference_params`).
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
@@ -231,9 +232,9 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
     state, state_sh = placement.init_state(make, *args, params_shardings=p_sh, roles=roles)
     # The task pads every prompt to one length already: no buckets.
     step = rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
-                    keys, pool, gcfg.sampling, task=task, drop_unscored=True,
-                    completions=completions_sink(train, writer, "grpo", lambda s: s.reward_params,
-                                             with_advantage=not gcfg.dynamic_sampling))
+                   keys, pool, gcfg.sampling, task=task, drop_unscored=True,
+                   completions=completions_sink(train, writer, "grpo", lambda s: s.reward_params,
+                                                with_advantage=not gcfg.dynamic_sampling))
     monitor = health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         phase_config("grpo", cfg, train, show=("reward/mean", "kl/mean", "response_length/mean", "eval/accuracy",
@@ -454,18 +455,20 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     state, state_sh = placement.init_state(make, *args, roles=roles)
     parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
     step = rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
-                    pcfg.sampling, task=task, drop_unscored=True,
-                    completions=completions_sink(train, writer, "ppo", lambda s: on_actor(s.actor.params, s.reward_params)))
+                   pcfg.sampling, task=task, drop_unscored=True,
+                   completions=completions_sink(train, writer, "ppo",
+                                                lambda s: on_actor(s.actor.params, s.reward_params)))
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
 
     state, last = run_phase(
-        phase_config("ppo", cfg, train, show=("reward/mean", "kl/k1", "eval/accuracy", timing.TOKENS_PER_S)), workdir=workdir, state=state,
-        step_fn=step,
+        phase_config("ppo", cfg, train, show=("reward/mean", "kl/k1", "eval/accuracy", timing.TOKENS_PER_S)),
+        workdir=workdir, state=state, step_fn=step,
         batches=array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
-                         cfg.seed, placement, "ppo.prompts_per_step"),
-        rng=rng, writer=writer, monitor=health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target),
+                              cfg.seed, placement, "ppo.prompts_per_step"),
+        rng=rng, writer=writer,
+        monitor=health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target),
         eval_fn=evaluate,
         should_stop=should_stop, **stopping_options(early_stop, "actor"))
     params = state.actor.params
