@@ -17,7 +17,9 @@ optimizer state, an argument of the compiled scoring program). The teacher is an
 LM that reads the student's token ids (another size, its own shardings: `load_teacher`);
 its log-probs go through the fused LM head (`ops.linear_logprobs`, `logprobs_head="chunked"`),
 so no `[N, T, V]` logits are ever held. A teacher whose vocabulary is smaller than the
-student's (padding rows) scores a sampled id beyond it at `OUTSIDE_LOGP`.
+student's (padding rows) scores a sampled id beyond it at `OUTSIDE_LOGP`. A student with
+LoRA adapters may be taught by its own base (`teacher_params=None`: `teacher_params_of`,
+the base arrays without the adapters, no copy; the teacher model is the student's).
 
     state = opd.init_state(params, tx, teacher_params)
     parts = opd.split(model, teacher, tx, grpo_cfg, opd.OPDConfig(), task_reward)
@@ -43,6 +45,7 @@ from jaxrlhf import rewards as rewards_lib
 from jaxrlhf.algorithms import common, grpo, timing
 from jaxrlhf.algorithms.experience import score_responses
 from jaxrlhf.algorithms.grpo_config import GRPOConfig
+from jaxrlhf.models import lora
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.options import check, option
 
@@ -73,6 +76,17 @@ class OPDState(grpo.GRPOState):
     """GRPO's state (`policy`, `ref_params`, ...) and the frozen teacher's parameters."""
 
     teacher_params: PyTree = None
+
+
+def teacher_params_of(state: OPDState) -> PyTree:
+    """The teacher's params: `state.teacher_params`, or when there are none and the student
+    has LoRA adapters, the student's base without them (`lora.without_adapters`: the same
+    arrays, no copy; `opd.teacher_path="base"`)."""
+    if state.teacher_params is None:
+        if not lora.has_adapters(state.policy.params):
+            raise ValueError("OPD: no teacher params, and the student has no LoRA adapters whose base could teach")
+        return lora.without_adapters(state.policy.params)
+    return state.teacher_params
 
 
 def init_state(params, tx: optax.GradientTransformation, teacher_params, *, ref_params=None,
@@ -123,7 +137,7 @@ def score(state: OPDState, out, extras, host_scores: dict, rng, *, model: Transf
     if old_logp is None:  # μ = 1, one minibatch: grpo.score leaves it to the loss's own forward
         old_logp = score_responses(model, state.policy.params, batch.sequences, batch.attention_mask, p,
                                    temperature=cfg.sampling.temperature, group_size=group)
-    t_logp = teacher_logprobs(teacher, state.teacher_params, batch.sequences, batch.attention_mask, p,
+    t_logp = teacher_logprobs(teacher, teacher_params_of(state), batch.sequences, batch.attention_mask, p,
                               group_size=group)
     adv = ops.distillation_advantages(t_logp, old_logp, mask)
     if opd_cfg.task_weight:

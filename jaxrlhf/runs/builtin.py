@@ -132,8 +132,12 @@ def _opd_configs(section, task, monitor=None) -> tuple:
             raise ValueError(f"opd.{name}={section[name]!r}: OPD distils every sampled response; this GRPO option "
                              "is not used by OPD, turn it off")
     ocfg = options.build(opd.OPDConfig, section, "opd.")
-    opd.check_teacher(section.teacher_path, task.tokenizer, task.vocab_size)
+    if section.teacher_path != BASE_TEACHER:
+        opd.check_teacher(section.teacher_path, task.tokenizer, task.vocab_size)
     return gcfg, ocfg
+
+
+BASE_TEACHER = "base"  # opd.teacher_path: the LoRA student's own base teaches it
 
 
 def load_teacher(path: str, student: Transformer, *, mesh, rules, runtime: dict | None = None):
@@ -161,7 +165,14 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     policy's start, as in GRPO."""
     placement = placement or Placement.local()
     gcfg, ocfg = _opd_configs(cfg, task, train.monitor)
-    teacher, t_params = load_teacher(cfg.teacher_path, model, mesh=placement.mesh, rules=placement.rules,
+    own_base = cfg.teacher_path == BASE_TEACHER
+    if own_base and not lora.has_adapters(params):
+        raise ValueError(f"opd.teacher_path={BASE_TEACHER!r} distils the LoRA student's own base into it: the opd "
+                         "phase needs LoRA adapters (model.lora.rank > 0)")
+    if own_base:  # the student's base arrays, no copy (`opd.teacher_params_of`)
+        teacher, t_params = model, None
+    else:
+        teacher, t_params = load_teacher(cfg.teacher_path, model, mesh=placement.mesh, rules=placement.rules,
                                          runtime={f: getattr(model.config, f) for f in RUNTIME_FIELDS})
     tx, schedule = phases.optimizer(cfg.optim, "opd.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
     keys = task.extra_keys
@@ -170,9 +181,10 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     p_sh, t_sh = placement.param_shardings(model), placement.param_shardings(teacher)
     own_reference = gcfg.uses_reference and not lora.has_adapters(params)
     reward = rewards_lib.as_reward(task.reward)
-    make = lambda p, tp: opd.init_state(p, tx, tp, ref_params=p if own_reference else None, cfg=gcfg)
-    state, state_sh = placement.init_state(make, placement.place(params, p_sh), placement.place(t_params, t_sh),
-                                           params_shardings=p_sh, roles={"teacher_params": t_sh})
+    make = lambda p, tp=None: opd.init_state(p, tx, tp, ref_params=p if own_reference else None, cfg=gcfg)
+    teacher_args = () if own_base else (placement.place(t_params, t_sh),)
+    state, state_sh = placement.init_state(make, placement.place(params, p_sh), *teacher_args,
+                                           params_shardings=p_sh, roles=None if own_base else {"teacher_params": t_sh})
     step = phases.rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward, train,
                           placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
                           drop_unscored=True,

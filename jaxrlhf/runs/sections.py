@@ -122,7 +122,8 @@ class OPDRun:
                                 "iteration)", factory=OptimConfig)
     teacher_path: str = option("", "the teacher (required): a local Hugging Face causal-LM folder of any size, e.g. "
                                "an earlier run's workdir/export; it must share the student's tokenizer (vocabulary "
-                               "sizes may differ by padding), frozen")
+                               "sizes may differ by padding), frozen; or 'base': a LoRA student's own base "
+                               "(model.lora on the opd phase)")
 
 
 # A phase's section: its run options and its algorithm's config, in the order a run runs them.

@@ -98,10 +98,19 @@ def check_shapes(config, placement: RowChecker) -> None:
 def lora_phases(config) -> tuple[str, ...]:
     """The phases that train LoRA adapters (`model.lora`; none when its rank is 0), checked:
     a rank >= 0, valid target patterns, and `phases` among the run's ("" = all of them).
-    A reward-model phase and a PPO critic train their new head beside the adapters."""
+    A reward-model phase and a PPO critic train their new head beside the adapters; OPD from
+    its own base (`opd.teacher_path="base"`) needs adapters on the opd phase."""
     section = config.get("model", {}).get("lora")
     if section is not None:
         quant.check_kind(section.get("quantize", "none"), rank=section.rank)
+    names = _lora_phases(config, section)
+    if "opd" in plan(config) and config.opd.get("teacher_path") == "base" and "opd" not in names:
+        raise ValueError("opd.teacher_path='base' distils a LoRA student's own base into it: turn on LoRA for the "
+                         "opd phase (model.lora.rank > 0, and opd among model.lora.phases)")
+    return names
+
+
+def _lora_phases(config, section) -> tuple[str, ...]:
     if section is None or lora.from_section(section) is None:
         return ()
     if "reward_model" in plan(config) and config.reward_model.sft_steps > 0:

@@ -72,9 +72,10 @@ def test_a_student_distils_from_a_teacher_folder_and_its_reverse_kl_falls(tmp_pa
     ("empty", r"opd.teacher_path is empty"),
     ("tokenizer", r"opd.teacher_path='.*teacher': the teacher's tokenizer differs from the student's tokenizer"),
     ("dynamic", r"opd.dynamic_sampling=True: OPD distils every sampled response"),
+    ("base", r"opd.teacher_path='base' distils a LoRA student's own base into it: turn on LoRA for the opd phase"),
 ])
 def test_a_teacher_that_cannot_serve_the_student_is_refused_before_any_work(tmp_path, case, message):
-    teacher = {"missing": "/no/such/teacher", "empty": "",
+    teacher = {"missing": "/no/such/teacher", "empty": "", "base": "base",
                "tokenizer": teacher_folder(tmp_path / "teacher", extra_token="@@")}.get(case)
     config = tiny_config(teacher if teacher is not None else teacher_folder(tmp_path / "teacher"))
     if case == "dynamic":
@@ -83,3 +84,21 @@ def test_a_teacher_that_cannot_serve_the_student_is_refused_before_any_work(tmp_
     with pytest.raises(ValueError, match=message):
         train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_student_distils_from_its_own_base():
+    """`opd.teacher_path=base` with LoRA on the opd phase: the teacher is the student's base
+    (no folder, no copy). The adapters start at B = 0, so the first step's student is its
+    teacher: its reverse KL is 0 to float rounding (a teacher other than the base would not
+    give 0); the run trains and exports."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = tiny_config("base", steps=3)
+        with config.unlocked():
+            config.model.lora.update(rank=4, phases="opd")
+        summary = train_and_evaluate(config, Path(tmp) / "run")
+        assert "after OPD" in summary["stages"]
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        kl = [r["opd/distill/reverse_kl"] for r in rows if "opd/distill/reverse_kl" in r]
+        assert len(kl) == 3 and abs(kl[0]) < 1e-5, kl
