@@ -92,3 +92,48 @@ def test_env_cls_is_read_as_a_token_or_a_text_environment():
         env_task.make_env_factory({})
     with pytest.raises(ValueError, match="env.cls='nowhere:Env'"):
         env_task.make_env_factory({"cls": "nowhere:Env"})
+
+
+def test_tiny_calculator_ppo_config_trains_on_episodes_with_a_critic(tmp_path):
+    """configs/calculator_ppo.py:tiny: PPO on the episodes (a shorter SFT, enough for calls):
+    finite PPO metrics beside the episode metrics, and the mask of the advantages, the
+    values and the losses is the policy mask, with holes where the environment wrote."""
+    proc = _train("--config=configs/calculator_ppo.py:tiny", f"--workdir={tmp_path}", "--config.train.export=False",
+                  "--config.sft.steps=150", "--config.train.eval_every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    assert {"accuracy", "reward", "turns", "tool_calls"} <= set(stages["after PPO"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k[len("ppo/"):]: v for k, v in r.items() if k.startswith("ppo/")} for r in rows]
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["finite"] == 1 and r["skipped_steps"] == 0
+        for key in ("loss", "policy_loss", "value_loss", "entropy", "advantage/std", "returns/mean", "value/mean",
+                    "grad_norm_critic", "kl/k1", "reward/env", "episode/turns", "episode/tool_calls",
+                    "episode/well_formed_calls", "episode/cut/turns", "episode/env_seconds", "time/rollout_s"):
+            assert math.isfinite(r[key]), key
+        assert r["reward/mean"] == pytest.approx(r["reward/env"]) == pytest.approx(r["episode/reward"], abs=1e-6)
+        assert r["first/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the trainer's log-probs are the sampler's
+        # the tokens the advantages, values and losses count (num_tokens) are the policy's,
+        # and the episodes have the environment's between them: the mask has holes
+        assert r["num_tokens"] == pytest.approx(8 * r["episode/policy_tokens"])
+        assert r["response_length/mean"] == pytest.approx(r["episode/policy_tokens"])
+    assert any(r["episode/env_tokens"] > 0 and r["episode/tool_calls"] > 0 for r in rows)
+
+
+def test_ppo_on_episodes_needs_the_task_reward():
+    """Episodes are scored by their environment: PPO's learned reward model is refused
+    before any work."""
+    import importlib.util
+
+    from jaxrlhf.runs import experiment
+
+    spec = importlib.util.spec_from_file_location("calculator_ppo", REPO / "configs" / "calculator_ppo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config("tiny")
+    c.unlock()
+    c.ppo.reward = "model"
+    with pytest.raises(ValueError, match="ppo.reward='model'.*set ppo.reward='task'"):
+        experiment._task(c)
