@@ -50,9 +50,10 @@ def test_tiny_calculator_config_trains_on_episodes(tmp_path):
         assert r["logp_mismatch"] < 1e-4
 
 
-def test_your_environment_class_on_jsonl_rows(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_your_environment_class_on_jsonl_rows(tmp_path, algorithm):
     """task.name='env': an environment class by import path (`env.cls`, here the calculator's
-    own, made once per episode) on the rows of JSONL files, GRPO on its episodes."""
+    own, made once per episode) on the rows of JSONL files, GRPO (or PPO) on its episodes."""
     from jaxrlhf.data import calculator as calc
     from jaxrlhf.runs import config_base as base
     from jaxrlhf.runs import train_and_evaluate
@@ -61,7 +62,7 @@ def test_your_environment_class_on_jsonl_rows(tmp_path):
     for name, split, n in (("train.jsonl", "train", 32), ("test.jsonl", "test", 8)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in calc.make_rows(task, n, split=split)))
     c = base.mlc.ConfigDict()
-    c.algorithm, c.seed = "grpo", 0
+    c.algorithm, c.seed = algorithm, 0
     base.parallel(c)
     c.task = base.env_task(path=str(tmp_path / "train.jsonl"), test_path=str(tmp_path / "test.jsonl"),
                                   max_prompt_tokens=8)
@@ -70,13 +71,18 @@ def test_your_environment_class_on_jsonl_rows(tmp_path):
     c.model = base.model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
                          head_dim=16)
     c.sft = base.sft(steps=0)
-    c.grpo = base.grpo(steps=2, prompts_per_step=4, sampling=dict(num_samples=2))
+    if algorithm == "grpo":
+        c.grpo = base.grpo(steps=2, prompts_per_step=4, sampling=dict(num_samples=2))
+    else:
+        c.ppo = base.ppo(steps=2, prompts_per_step=4, reward="task", sampling=dict(num_samples=2))
     c.train = base.train(log_every=1, eval_every=0, progress=False, tensorboard=False, export=False)
     summary = train_and_evaluate(c, tmp_path / "run")
-    assert {"accuracy", "reward", "turns", "tool_calls"} <= set(summary["stages"]["after GRPO"])
+    assert {"accuracy", "reward", "turns", "tool_calls"} <= set(summary["stages"][f"after {algorithm.upper()}"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "grpo/loss" in r]
-    assert len(rows) == 2 and all(math.isfinite(r["grpo/reward/env"]) and "grpo/episode/turns" in r for r in rows)
+    a = algorithm
+    rows = [r for r in rows if f"{a}/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r[f"{a}/reward/env"]) and f"{a}/episode/turns" in r for r in rows)
+    assert all(r[f"{a}/finite"] == 1 and math.isfinite(r[f"{a}/loss"]) for r in rows)
 
 
 def test_env_cls_is_read_as_a_token_or_a_text_environment():
