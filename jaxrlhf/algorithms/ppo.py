@@ -259,7 +259,12 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     `Reward.scored`) is dropped: response mask 0 in the batch (no policy, value, KL or
     entropy term, no token in any aggregation or in the advantage whitening), out of the
     score whitening (batch or running moments), the KL controller's input and the score
-    metrics; `reward/dropped` counts them. Only a reward with a host component has such rows."""
+    metrics; `reward/dropped` counts them. Only a reward with a host component has such rows.
+
+    The batch's mask is `out.response_mask`, the policy's tokens: a multi-turn episode's
+    (`rollout.episodes`) has holes at the environment's tokens, which get no advantage and
+    no loss while the forward passes run over `out.attention_mask`; a plain rollout's is
+    `attention_mask[:, P:]` itself."""
     del rng
     g = cfg.sampling.num_samples
     extras_n = scoring.repeat_extras(extras, g, out.response_ids.shape[0] // g)
@@ -268,7 +273,7 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
               **host_scores}
     p = out.sequences.shape[1] - out.response_ids.shape[1]
     roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
-                         scores, sampler_logp=out.logprobs)
+                         scores, sampler_logp=out.logprobs, response_mask=out.response_mask)
     scored = None if reward.is_jax else reward.scored(scores)  # only a host reward leaves rows unscored
     processed, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg,
                                       scored=scored)

@@ -103,12 +103,19 @@ def score_rollout(
     scores: Mapping[str, Any],
     *,
     sampler_logp: jax.Array | None = None,
+    response_mask: jax.Array | None = None,
 ) -> Rollout:
     """Forward passes over `prompt ⧺ response` `[N, P+T]`: old logp (current actor), ref
     logp, values (critic, or the actor's value head when shared — one pass), and the
     score: `reward`'s weighted total of `scores`, `{component: [N]}` for every component
     (the JAX ones from `ppo.score`, the host ones scored on the text). All without
-    gradient."""
+    gradient.
+
+    `response_mask` `[N, T]` (None: `attention_mask[:, P:]`): the policy's tokens, the
+    rollout's mask for everything after the forward passes (KL, rewards, GAE, whitening,
+    losses). A multi-turn episode's has holes at the environment's tokens, which the
+    forward passes still see through `attention_mask` (docs/episodes.md#ppo-on-episodes);
+    a plain rollout's equals `attention_mask[:, P:]`."""
     tau = cfg.sampling.temperature
     actor_params = jax.lax.stop_gradient(state.actor.params)
     old_logp, _, values = response_logprobs(actor_model, actor_params, sequences, attention_mask, prompt_len,
@@ -119,7 +126,8 @@ def score_rollout(
         critic = on_actor(actor_params, jax.lax.stop_gradient(state.critic.params))
         _, values = response_hidden(critic_model, critic, sequences, attention_mask, prompt_len)
     inputs = rewards.RewardInput.from_sequences(sequences, attention_mask, prompt_len)
-    response_ids, response_mask = inputs.response_ids, inputs.response_mask
+    response_ids = inputs.response_ids
+    response_mask = inputs.response_mask if response_mask is None else jnp.asarray(response_mask).astype(bool)
     reward_metrics = reward.metrics(scores)
     total = jnp.asarray(reward.total(scores), jnp.float32).reshape(sequences.shape[0])
     if sampler_logp is None:

@@ -110,10 +110,12 @@ def _run_reward_model(run: Run) -> None:
 def _run_ppo(run: Run) -> None:
     c, folder, rm = run.config, run.folder_reward_model, run.reward_model
     ensemble = rm is not None and folder is None and c.reward_model.ensemble > 1
-    run.params, _ = phases.ppo_phase(c.ppo, c.train, reward_model_and_params=rm if folder is None else folder,
-                                     model_weight=c.reward.model_weight if folder else None,
-                                     ensemble_reduce=c.reward_model.ensemble_reduce if ensemble else None,
-                                     **policy_args(run, PPO))
+    # a task of multi-turn episodes (task.name='calculator'): PPO on episodes
+    phase = phases.ppo_phase if run.task.episodes is None else episode_phase.ppo_episode_phase
+    run.params, _ = phase(c.ppo, c.train, reward_model_and_params=rm if folder is None else folder,
+                          model_weight=c.reward.model_weight if folder else None,
+                          ensemble_reduce=c.reward_model.ensemble_reduce if ensemble else None,
+                          **policy_args(run, PPO))
 
 
 def _run_dpo(run: Run) -> None:

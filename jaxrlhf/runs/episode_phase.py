@@ -1,16 +1,18 @@
-"""GRPO on multi-turn episodes, and their held-out evaluation, for a task with `Task.episodes`
-(the built-in `calculator`, docs/episodes.md#a-built-in-task-sums-with-a-calculator).
+"""GRPO and PPO on multi-turn episodes, and their held-out evaluation, for a task with
+`Task.episodes` (the built-in `calculator`, docs/episodes.md#a-built-in-task-sums-with-a-calculator).
 
 A step's rollout is `rollout.episodes.run_episodes` over the step's rows, G episodes per
-row (`grpo.sampling.num_samples`), each with its own environment instance reset with the
-same row. The episode's reward is handed to the task's host reward component "env"
-(`env_task.episode_reward`: logged as `reward/env`, beside any Python rewards of the `reward`
-section, which see the whole episode's text), then GRPO's own scoring and update
-(`grpo.split`'s `score` and `train`, jitted): the sample's `response_mask` is the policy
-mask, so the loss, KL and advantages count the policy's tokens only, never the
-environment's, and the forward passes run over the whole episode (`attention_mask`).
+row (`grpo.sampling.num_samples`, `ppo.sampling.num_samples`), each with its own environment
+instance reset with the same row. The episode's reward is handed to the task's host reward
+component "env" (`env_task.episode_reward`: logged as `reward/env`, beside any Python
+rewards of the `reward` section, which see the whole episode's text), then the algorithm's
+own scoring and update (`grpo.split`'s or `ppo.split`'s `score` and `train`, jitted): the
+sample's `response_mask` is the policy mask, so the loss, KL and advantages (PPO's GAE,
+its value loss and whitening too) count the policy's tokens only, never the environment's,
+and the forward passes (actor, reference, PPO's critic) run over the whole episode
+(`attention_mask`). PPO's roles and state are `ppo_phase`'s (`phases.ppo_setup`).
 
-The step reports GRPO's metrics, the time split (`time/rollout_s` is the episodes', the
+The step reports the algorithm's metrics, the time split (`time/rollout_s` is the episodes', the
 environments' own time inside it is `episode/env_seconds`) and the episodes' figures
 (`episode_metrics`): `episode/turns`, `episode/tool_calls`, `episode/tool_errors/<kind>`,
 `episode/well_formed_calls`, `episode/cut/<limit>`, `episode/policy_tokens`,
@@ -148,39 +150,27 @@ def make_episode_accuracy_fn(model, task: Task, *, batch_size: int = 512, placem
     return accuracy
 
 
-def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng,
-                       placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop=None,
-                       reward_model_and_params=None, model_weight: float = 1.0):
-    """GRPO on the task's episodes (module docstring); returns `(params, last_metrics)`."""
-    del model_weight
-    placement = placement or Placement.local()
+def _checks(task: Task, reward_model_and_params):
     if reward_model_and_params is not None:
         raise ValueError("reward.model_path: a reward model does not score episodes yet; leave it empty")
     if jax.process_count() > 1:
         raise ValueError("episodes run on one process for now; start the run on one")
-    gcfg = phases.library_config("grpo", cfg, task, monitor=train.monitor)
-    for name, on in (("dynamic_sampling", gcfg.dynamic_sampling), ("guide_coef", gcfg.guide_coef)):
-        if on:
-            raise ValueError(f"grpo.{name}={cfg[name]!r}: not with episodes (task.name={task.name!r}); turn it off")
-    tx, schedule = phases.optimizer(cfg.optim, "grpo.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
+    return rewards_lib.as_reward(task.reward)
+
+
+def _episode_step(model, params_of, score, update, reward, task: Task, group: int, sampling):
+    """`step(state, local_rows, rng)`: `group` episodes per row with the policy
+    `params_of(state)` of `model`, the environment's reward handed to the host component
+    "env", then the algorithm's jitted `score` and `update` (its `split`'s) on the episodes'
+    sample, whose `response_mask` is the policy mask; the metrics are the algorithm's, the
+    time split and `episode_metrics`."""
     spec = task.episodes
-    batches = phases.array_batches({"row": np.arange(len(spec.rows))}, cfg.prompts_per_step, cfg.seed, placement,
-                                   "grpo.prompts_per_step")
-    p_sh = placement.param_shardings(model)
-    own_reference = gcfg.uses_reference and not lora.has_adapters(params)
-    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg)
-    state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
-    reward = rewards_lib.as_reward(task.reward)
-    parts = grpo.split(model, tx, gcfg, reward, schedule=schedule)
-    score = jax.jit(parts.score)
-    update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
-    g, sampling = gcfg.group_size, gcfg.sampling
 
     def step(state, local, rng):
-        rows = [spec.rows[int(i)] for i in np.asarray(local["row"]) for _ in range(g)]
+        rows = [spec.rows[int(i)] for i in np.asarray(local["row"]) for _ in range(group)]
         key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
         t0 = time.perf_counter()
-        out, envs = run(model, state.policy.params, task, rows, key, temperature=sampling.temperature,
+        out, envs = run(model, params_of(state), task, rows, key, temperature=sampling.temperature,
                         top_k=sampling.top_k, top_p=sampling.top_p)
         t1 = time.perf_counter()
         host = reward.host_scores(rewards_lib.RewardInput.from_sample(out.sample), {"env_reward": out.rewards},
@@ -194,14 +184,75 @@ def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer
                    **episode_metrics(out, envs)}
         return state, metrics
 
-    monitor = phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
-    state, last = run_phase(
-        phases.phase_config("grpo", cfg, train, show=("reward/mean", "episode/turns", "episode/well_formed_calls",
-                                                "eval/accuracy", timing.TOKENS_PER_S)),
+    return step
+
+
+def _run(name: str, role: str, cfg, train, *, state, step, monitor, workdir, writer, rng, placement, eval_fn,
+         should_stop, early_stop, task: Task):
+    """`run_phase` of an episode phase `name` over the task's rows, `cfg.prompts_per_step`
+    a step; the trained params are `state.<role>.params`."""
+    batches = phases.array_batches({"row": np.arange(len(task.episodes.rows))}, cfg.prompts_per_step, cfg.seed,
+                                   placement, f"{name}.prompts_per_step")
+    return run_phase(
+        phases.phase_config(name, cfg, train, show=("reward/mean", "episode/turns", "episode/well_formed_calls",
+                                                    "eval/accuracy", timing.TOKENS_PER_S)),
         workdir=workdir, state=state, step_fn=step, batches=batches, rng=rng, writer=writer, monitor=monitor,
-        eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None, should_stop=should_stop,
-        **phases.stopping_options(early_stop, "policy"))
+        eval_fn=(lambda s: eval_fn(getattr(s, role).params)) if eval_fn else None, should_stop=should_stop,
+        **phases.stopping_options(early_stop, role))
+
+
+def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng,
+                       placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop=None,
+                       reward_model_and_params=None, model_weight: float = 1.0):
+    """GRPO on the task's episodes (module docstring); returns `(params, last_metrics)`."""
+    del model_weight
+    placement = placement or Placement.local()
+    reward = _checks(task, reward_model_and_params)
+    gcfg = phases.library_config("grpo", cfg, task, monitor=train.monitor)
+    for name, on in (("dynamic_sampling", gcfg.dynamic_sampling), ("guide_coef", gcfg.guide_coef)):
+        if on:
+            raise ValueError(f"grpo.{name}={cfg[name]!r}: not with episodes (task.name={task.name!r}); turn it off")
+    tx, schedule = phases.optimizer(cfg.optim, "grpo.optim", total_steps=cfg.steps * gcfg.updates_per_iteration)
+    p_sh = placement.param_shardings(model)
+    own_reference = gcfg.uses_reference and not lora.has_adapters(params)
+    make = lambda p: grpo.init_state(p, tx, ref_params=p if own_reference else None, cfg=gcfg)
+    state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
+    parts = grpo.split(model, tx, gcfg, reward, schedule=schedule)
+    update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
+    step = _episode_step(model, lambda s: s.policy.params, jax.jit(parts.score), update, reward, task,
+                         gcfg.group_size, gcfg.sampling)
+    state, last = _run("grpo", "policy", cfg, train, state=state, step=step,
+                       monitor=phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low), workdir=workdir,
+                       writer=writer, rng=rng, placement=placement, eval_fn=eval_fn, should_stop=should_stop,
+                       early_stop=early_stop, task=task)
     return state.policy.params, last
 
 
-__all__ = ["episode_metrics", "grpo_episode_phase", "make_episode_accuracy_fn", "run"]
+def ppo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng,
+                      placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop=None,
+                      reward_model_and_params=None, model_weight: float | None = None, ensemble_reduce=None):
+    """PPO on the task's episodes, with its critic (`phases.ppo_setup`: the roles and state
+    of `ppo_phase`): `ppo.sampling.num_samples` episodes per row, `ppo.split`'s scoring and
+    update. The scoring's mask is the sample's policy mask: KL, shaped rewards, GAE (over
+    the policy tokens, skipping the environment's, whose values are never read), whitening
+    and every loss count the policy's tokens only, while the actor, critic and reference
+    run over the whole episode. Returns `(params, last_metrics)`."""
+    del model_weight, ensemble_reduce
+    placement = placement or Placement.local()
+    _checks(task, reward_model_and_params)
+    built = phases.ppo_setup(cfg, model=model, params=params, task=task, placement=placement)
+    pcfg, reward = built.cfg, built.reward
+    update = jax.jit(built.parts.train, out_shardings=(built.state_sh, placement.replicated), donate_argnums=0)
+    step = _episode_step(built.actor_model, lambda s: s.actor.params, jax.jit(built.parts.score), update, reward,
+                         task, pcfg.sampling.num_samples, pcfg.sampling)
+    monitor = phases.health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target)
+    state, last = _run("ppo", "actor", cfg, train, state=built.state, step=step, monitor=monitor, workdir=workdir,
+                       writer=writer, rng=rng, placement=placement, eval_fn=eval_fn, should_stop=should_stop,
+                       early_stop=early_stop, task=task)
+    params = state.actor.params
+    if pcfg.shared:
+        params = {k: v for k, v in params.items() if k != "value_head"}
+    return params, last
+
+
+__all__ = ["episode_metrics", "grpo_episode_phase", "make_episode_accuracy_fn", "ppo_episode_phase", "run"]

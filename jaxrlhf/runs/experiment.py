@@ -214,9 +214,12 @@ def _task(config):
     task = with_python_rewards(build_task(config.task, model_path=config.model.path, env=config.get("env")),
                                config.get("reward"))
     if task.episodes is not None:
-        if config.algorithm not in ("grpo", "sft"):
-            raise ValueError(f"task.name={config.task.name!r} runs multi-turn episodes: algorithm 'grpo' (or 'sft' on "
-                             f"its demonstrations), not {config.algorithm!r}")
+        if config.algorithm not in ("grpo", "ppo", "sft"):
+            raise ValueError(f"task.name={config.task.name!r} runs multi-turn episodes: algorithm 'grpo' or 'ppo' (or "
+                             f"'sft' on its demonstrations), not {config.algorithm!r}")
+        if config.algorithm == "ppo" and config.ppo.reward != "task":
+            raise ValueError(f"ppo.reward={config.ppo.reward!r}: episodes are scored by their environment's reward; "
+                             "set ppo.reward='task'")
         if config.train.eval_samples:
             raise ValueError(f"train.eval_samples={config.train.eval_samples}: the held-out evaluation of episodes is "
                              "greedy only; set it to 0")

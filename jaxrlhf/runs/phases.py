@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -374,36 +375,26 @@ def load_critic(path: str, policy: Transformer, *, seed: int, placement: Placeme
     return model, params
 
 
-def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
-              placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None,
-              model_weight: float | None = None, ensemble_reduce: str | None = None):
-    """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
-    (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
-    (`ppo.reward="task"`), the task's own reward given the task's extras; with a
-    `model_weight` too, the task's reward plus that reward model's score at that weight (a
-    pretrained one, `reward.model_path`: `runs.reward_folder`). The step is a
-    sharded rollout, scoring and update, timed (`rl_step`); host (text) reward
-    components, e.g. the JSONL task's answer check or Python rewards of the `reward`
-    section, are scored on each process's responses in between, as in GRPO. The held-out
-    exact-match accuracy (the true reward, `eval/accuracy`)
-    is logged beside the score the policy optimises (`reward/mean`): with a learned reward
-    model, the score going up is not the same as getting better.
+class PPOSetup(NamedTuple):
+    """What `ppo_setup` builds: the library config, the actor's model (the value head on it
+    when the critic is shared), the critic's (None when shared), the reward, the extras' keys
+    it reads, `ppo.split`'s parts and the placed state with its shardings."""
 
-    On the mesh, each role's fields of the state take that model's shardings: actor and
-    reference the policy's, the critic its own, the reward model its own.
+    cfg: Any
+    actor_model: Transformer
+    critic_model: Transformer | None
+    reward: Any
+    keys: tuple
+    parts: timing.Split
+    state: Any
+    state_sh: Any
 
-    With LoRA adapters in `params` (`model.config.lora`) one frozen base serves every role:
-    the actor trains its adapters, the reference is the base without them, the critic
-    trains its own adapters and score head on the same base arrays (or, shared, the value
-    head beside the actor's adapters), and reward-model params that are a LoRA part alone
-    (`lora.is_part`: adapters and score head, trained on a copy of this same base) run on
-    it too. Nothing of the base is copied.
 
-    `ensemble_reduce` ("mean" | "min"): the reward-model params are a stacked ensemble
-    (`reward_model_phase` with `ensemble` > 1), scored by the members' reduced score
-    (`reward_model.as_ensemble_reward`; their disagreement is `reward/reward_model_std`).
-    """
-    placement = placement or Placement.local()
+def ppo_setup(cfg, *, model, params, task: Task, placement: Placement, reward_model_and_params=None,
+              model_weight: float | None = None, ensemble_reduce: str | None = None) -> PPOSetup:
+    """PPO's roles and state for section `cfg` (`ppo_phase`'s docstring: the critic, the
+    reference, the reward), placed on the mesh; the episode phase (`runs.episode_phase`)
+    builds its PPO with it too."""
     pcfg = library_config("ppo", cfg, task)
     updates = cfg.steps * pcfg.updates_per_iteration  # the schedules count optimizer steps
     tx_actor, schedule = optimizer(cfg.optim, "ppo.optim", total_steps=updates)
@@ -454,6 +445,44 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
 
     state, state_sh = placement.init_state(make, *args, roles=roles)
     parts = ppo.split(actor_model, critic_model, reward, tx_actor, tx_critic, pcfg, lr_schedule=schedule)
+    return PPOSetup(pcfg, actor_model, critic_model, reward, keys, parts, state, state_sh)
+
+
+def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: Task, workdir, writer, rng,
+              placement: Placement | None = None, eval_fn=None, should_stop=None, early_stop: EarlyStop | None = None,
+              model_weight: float | None = None, ensemble_reduce: str | None = None):
+    """RLHF-PPO: actor `params`, frozen reference (a copy), critic on the policy's trunk
+    (or shared), and the frozen reward model — or, with `reward_model_and_params=None`
+    (`ppo.reward="task"`), the task's own reward given the task's extras; with a
+    `model_weight` too, the task's reward plus that reward model's score at that weight (a
+    pretrained one, `reward.model_path`: `runs.reward_folder`). The step is a
+    sharded rollout, scoring and update, timed (`rl_step`); host (text) reward
+    components, e.g. the JSONL task's answer check or Python rewards of the `reward`
+    section, are scored on each process's responses in between, as in GRPO. The held-out
+    exact-match accuracy (the true reward, `eval/accuracy`)
+    is logged beside the score the policy optimises (`reward/mean`): with a learned reward
+    model, the score going up is not the same as getting better.
+
+    On the mesh, each role's fields of the state take that model's shardings: actor and
+    reference the policy's, the critic its own, the reward model its own.
+
+    With LoRA adapters in `params` (`model.config.lora`) one frozen base serves every role:
+    the actor trains its adapters, the reference is the base without them, the critic
+    trains its own adapters and score head on the same base arrays (or, shared, the value
+    head beside the actor's adapters), and reward-model params that are a LoRA part alone
+    (`lora.is_part`: adapters and score head, trained on a copy of this same base) run on
+    it too. Nothing of the base is copied.
+
+    `ensemble_reduce` ("mean" | "min"): the reward-model params are a stacked ensemble
+    (`reward_model_phase` with `ensemble` > 1), scored by the members' reduced score
+    (`reward_model.as_ensemble_reward`; their disagreement is `reward/reward_model_std`).
+    """
+    placement = placement or Placement.local()
+    built = ppo_setup(cfg, model=model, params=params, task=task, placement=placement,
+                      reward_model_and_params=reward_model_and_params, model_weight=model_weight,
+                      ensemble_reduce=ensemble_reduce)
+    pcfg, reward, keys, parts, state, state_sh = (built.cfg, built.reward, built.keys, built.parts, built.state,
+                                                  built.state_sh)
     step = rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
                    pcfg.sampling, task=task, drop_unscored=True,
                    completions=completions_sink(train, writer, "ppo",
@@ -477,5 +506,5 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     return params, last
 
 
-__all__ = ["grpo_phase", "update_phase", "health_monitor", "optimizer", "ppo_phase", "sampling",
-           "library_config", "sft_phase", "with_reward_model"]
+__all__ = ["PPOSetup", "grpo_phase", "update_phase", "health_monitor", "optimizer", "ppo_phase", "ppo_setup",
+           "sampling", "library_config", "sft_phase", "with_reward_model"]
