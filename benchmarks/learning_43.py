@@ -111,12 +111,12 @@ def table(results: dict[tuple[str, int], dict]) -> str:
 
 
 def section(markdown_table: str, *, variant: str, seeds, when: str, machine: str, configs=CONFIGS,
-            note: str = "") -> str:
+            note: str = "", existing: bool = False) -> str:
     """The results.md section between the markers (`note`: a paragraph after the table)."""
     chosen = "" if tuple(configs) == CONFIGS else f" --configs {','.join(configs)}"
     return (f"{BEGIN}\n## Issue 43: CISPO, GDPO and REINFORCE++-baseline beside GRPO\n\n"
             f"    python benchmarks/learning_43.py{' --variant ' + variant if variant else ''}{chosen} "
-            f"--seeds {' '.join(map(str, seeds))} --write docs/results.md\n\n"
+            f"--seeds {' '.join(map(str, seeds))}{' --existing' if existing else ''} --write docs/results.md\n\n"
             f"Each config{' (variant ' + variant + ')' if variant else ''} run with `--config.seed=N`, measured {when} on {machine}; held-out greedy "
             "exact match on the test sums at the last evaluation of each run. The configs differ from "
             "addition_grpo.py only where the algorithm needs it (their docstrings); SE: one standard error over seeds.\n\n"
@@ -143,16 +143,20 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("/tmp/learning_43"), help="the runs' workdirs")
     ap.add_argument("--write", type=Path, default=None, help="a markdown file to put the table in (docs/results.md)")
     ap.add_argument("--note", default="", help="a paragraph written under the table (with --write)")
+    ap.add_argument("--existing", action="store_true",
+                    help="only read the runs already finished in --out (start none): a partial table")
     args = ap.parse_args(argv)
-    results = {(name, seed): run(name, seed, args.variant, args.out)
-               for name in args.configs.split(",") for seed in args.seeds}
+    pairs = [(name, seed) for name in args.configs.split(",") for seed in args.seeds]
+    if args.existing:
+        pairs = [(n, s) for n, s in pairs if (args.out / n / f"seed{s}" / "summary.json").exists()]
+    results = {(name, seed): run(name, seed, args.variant, args.out) for name, seed in pairs}
     markdown = table(results)
     print(markdown)
     if args.write is not None:
         when = datetime.date.today().isoformat()
         write(args.write, section(markdown, variant=args.variant, seeds=args.seeds, when=when,
                                   machine=f"{platform.machine()} with {os.cpu_count()} CPUs",
-                                  configs=args.configs.split(","), note=args.note))
+                                  configs=args.configs.split(","), note=args.note, existing=args.existing))
     return results
 
 

@@ -65,3 +65,17 @@ def test_a_run_with_overrides_passes_them_and_is_compared_with_its_baseline(tmp_
     assert results[("addition_gdpo", 1)]["max_clipfrac"] == 0.25
     text = l43.table(results)
     assert "`addition_gdpo_as_grpo`: +9.0 ± 0.0 points" in text
+
+
+def test_existing_reads_only_finished_runs_and_starts_none(tmp_path, monkeypatch):
+    l43 = _script()
+    (tmp_path / "addition_grpo" / "seed0").mkdir(parents=True)
+    (tmp_path / "addition_grpo" / "seed0" / "summary.json").write_text(json.dumps(_summary(0.794, 0.966)))
+
+    def no_run(*a, **kw):
+        raise AssertionError("--existing must not start a run")
+
+    monkeypatch.setattr(l43.subprocess, "run", no_run)
+    results = l43.main(["--configs", "addition_grpo,addition_cispo", "--seeds", "0", "1", "--out", str(tmp_path),
+                        "--existing"])
+    assert set(results) == {("addition_grpo", 0)}
