@@ -78,6 +78,8 @@ def verdict(ours, theirs) -> str:
     within 3 points), or below."""
     (m1, s1), (m2, s2) = mean_se(ours), mean_se(theirs)
     d, se = 100 * (m1 - m2), 100 * (s1 ** 2 + s2 ** 2) ** 0.5
+    if min(len(ours), len(theirs)) < 2:
+        return f"{d:+.1f} points: too few seeds for a verdict"
     if d > 2 * se and se > 0:
         word = "better by more than 2 SE"
     elif d >= -max(2 * se, 3.0):

@@ -65,6 +65,7 @@ def test_a_run_with_overrides_passes_them_and_is_compared_with_its_baseline(tmp_
     assert results[("addition_gdpo", 1)]["max_clipfrac"] == 0.25
     text = l43.table(results)
     assert "`addition_gdpo_as_grpo`: +9.0 ± 0.0 points" in text
+    assert l43.verdict([0.99], [0.96, 0.97]) == "+2.5 points: too few seeds for a verdict"
 
 
 def test_existing_reads_only_finished_runs_and_starts_none(tmp_path, monkeypatch):
