@@ -135,6 +135,7 @@ def test_bf16_compute_path_is_finite():
     assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
 
 
+@pytest.mark.heavy  # a learning run; the DPO step and loss are tested quick
 def test_dpo_raises_held_out_preference_accuracy():
     """A briefly SFT-ed policy is the reference; DPO on train pairs must generalise."""
     task = data.AdditionTask(num_digits=2, reverse_answer=True, zero_pad=True)

@@ -41,6 +41,7 @@ def _batch(n=8, seed=0):
 # --------------------------------------------------------------------------- CISPO
 
 
+@pytest.mark.heavy  # the step; ops.cispo_loss has its quick tests in tests/ops
 def test_cispo_loss_and_gradient_are_ops_cispo_loss():
     """`policy_loss='cispo'`: the step's loss, gradient and metrics are `ops.cispo_loss`'s on
     the same log-probs (ε_low = clip_low, ε_high = clip_high), and not the clipped surrogate's."""
@@ -108,6 +109,7 @@ def _scored_batch(cfg, reward=REWARD, seed=0):
     return batch, metrics, out
 
 
+@pytest.mark.heavy  # the step; ops.gdpo_advantages has its quick tests in tests/ops
 def test_gdpo_advantages_in_the_step_are_ops_gdpo_advantages():
     """The step's advantages are `ops.gdpo_advantages` of the reward's components
     `[N, K]` with its weights; they differ from GRPO's z-score of the weighted sum, whose

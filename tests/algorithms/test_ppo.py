@@ -444,6 +444,7 @@ def test_learning_raises_score_with_bounded_kl(separate_run):
     assert all(bool(m["finite"]) for m in history)
 
 
+@pytest.mark.heavy  # a further combination of PPO options
 def test_shared_trunk_bf16_with_reward_model_and_adaptive_kl(params):
     cfg_bf16 = CFG.replace(dtype="bfloat16")
     model = Transformer(cfg_bf16, head="lm_value")
@@ -499,7 +500,8 @@ def test_running_moments_and_whitening_see_only_the_scored_rows():
     assert (float(none.count), float(none.mean), float(none.var)) == (0.0, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("whitening, agg", [("batch", "token-mean"), ("running", "seq-mean-token-mean")])
+@pytest.mark.parametrize("whitening, agg", [pytest.param("batch", "token-mean", marks=pytest.mark.heavy),
+                                             ("running", "seq-mean-token-mean")])
 def test_rows_no_weighted_reward_scores_are_dropped_from_the_update(params, whitening, agg):
     """A host reward's None on every weighted reward: the PPO score + train step equals the
     step on the other rows alone (a dropped row is no sequence of a `seq-mean-*` mode

@@ -134,6 +134,7 @@ def test_bad_input_gives_clear_errors():
         step(state, dict(batch, prompt_mask=batch["prompt_mask"][:, 1:]), RNG)
 
 
+@pytest.mark.heavy  # a learning run; the reward model step is tested quick
 def test_learns_to_separate_addition_preferences():
     """From scratch on correct vs corrupted answers, judged on held-out problems.
 

@@ -46,6 +46,7 @@ def _reference(steps: int):
     return state, metrics
 
 
+@pytest.mark.heavy  # two processes: the multi-host tier
 def test_two_processes_match_single_process(tmp_path):
     env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_", "JAXRLHF_"))})
     env["XLA_FLAGS"] = _xla.flags()  # the worker adds its device count

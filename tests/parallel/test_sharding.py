@@ -23,6 +23,11 @@ CHECKS = [
 ]
 
 
+# One 8-device process runs every check (about a minute): the full suite's; the quick command
+# keeps tests/parallel/test_algorithms_sharded.py for sharded = one device.
+pytestmark = pytest.mark.heavy
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_checks(CHECKS, tmp_path_factory.mktemp("sharding"))

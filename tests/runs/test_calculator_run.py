@@ -24,6 +24,7 @@ def _train(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.heavy  # end to end; GRPO on episodes stays quick through the env-class and text-env runs
 def test_tiny_calculator_config_trains_on_episodes(tmp_path):
     proc = _train("--config=configs/calculator_grpo.py:tiny", f"--workdir={tmp_path}", "--config.train.export=False")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,7 +51,7 @@ def test_tiny_calculator_config_trains_on_episodes(tmp_path):
         assert r["logp_mismatch"] < 1e-4
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("ppo", marks=pytest.mark.heavy)])
 def test_your_environment_class_on_jsonl_rows(tmp_path, algorithm):
     """task.name='env': an environment class by import path (`env.cls`, here the calculator's
     own, made once per episode) on the rows of JSONL files, GRPO (or PPO) on its episodes."""
@@ -100,6 +101,7 @@ def test_env_cls_is_read_as_a_token_or_a_text_environment():
         env_task.make_env_factory({"cls": "nowhere:Env"})
 
 
+@pytest.mark.heavy  # PPO on episodes end to end; the GRPO run and tests/algorithms/test_ppo_episodes.py are quick
 def test_tiny_calculator_ppo_config_trains_on_episodes_with_a_critic(tmp_path):
     """configs/calculator_ppo.py:tiny: PPO on the episodes (a shorter SFT, enough for calls):
     finite PPO metrics beside the episode metrics, and the mask of the advantages, the

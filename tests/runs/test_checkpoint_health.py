@@ -259,6 +259,7 @@ def test_a_blown_up_update_stops_the_run_keeps_the_last_good_checkpoint_and_expo
     assert [r["step"] for r in _rows(run) if "grpo/loss" in r] == [1]  # no row for the blown-up step
 
 
+@pytest.mark.heavy  # a further case: the stop itself is tested quick
 def test_a_rerun_with_a_sane_lr_resumes_from_the_last_good_step(rerun):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "grpo: resuming at step 1 of 3" in rerun.stderr

@@ -92,6 +92,7 @@ def test_sft_on_chats_learns_exactly_the_assistant_turns(files, tmp_path):
     assert np.isfinite(rows[-1]["sft/loss"])
 
 
+@pytest.mark.heavy  # end to end: a further case of the file sources
 def test_dpo_on_message_pairs_and_a_reward_model_on_mixed_sources(files, tmp_path):
     """DPO on TRL's conversational pairs; a reward model on plain Parquet pairs mixed with
     implicit-prompt chats (weights): both train and report held-out pair metrics."""

@@ -36,6 +36,7 @@ def _train(tmp_path, *overrides):
     return log
 
 
+@pytest.mark.heavy  # end to end; the monitor itself: tests/test_monitor.py
 @pytest.mark.slow
 def test_broken_run_logs_the_matching_warnings(tmp_path):
     log = _train(tmp_path, *BROKEN)

@@ -58,6 +58,7 @@ def _with(config, ckpt, path, **reward):
     return config
 
 
+@pytest.mark.heavy  # PPO: a further case of the imported reward path
 def test_ppo_trains_on_an_imported_reward_with_the_rows_fields(files, tmp_path):
     """PPO's score is the weighted sum of the task's reward (weight 0 here) and the imported
     function's, which reads each row's `level` field."""

@@ -50,6 +50,7 @@ def device_metrics():
     return T.evaluate("device")
 
 
+@pytest.mark.heavy  # a further case: sampled evaluation against its whole-set reference
 def test_sampled_metrics_match_the_whole_set_reference(reference, device_metrics):
     """Batches of 2 prompts (the last one short) sample what one whole-set call samples."""
     want, correct_PxN = reference

@@ -167,6 +167,7 @@ def test_a_text_environment_with_tools_from_the_command_line(files, tmp_path):
     assert max(r["reward/env"] for r in rows) > 0  # some episodes answered "5"
 
 
+@pytest.mark.heavy  # the text path with tools stays in the quick tier
 def test_a_plain_text_environment_from_the_command_line(files, tmp_path):
     root, ckpt = files
     proc = _train(root, f"--workdir={tmp_path / 'plain'}", "--config.env.cls=my_envs:Twice")
