@@ -316,6 +316,20 @@ def _opd_iteration(model, teacher, tx, cfg, reward, schedule, time_split):
 # --------------------------------------------------------------------------- TRL
 
 
+def step_timer(transformers, gen_times: list, step_times: list):
+    """A `transformers.TrainerCallback` that appends, per optimizer step, `(the step's
+    seconds, the seconds of the generations `gen_times` recorded within it)` to `step_times`."""
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+            self.gen_before = len(gen_times)
+
+        def on_step_end(self, args, state, control, **kw):
+            step_times.append((time.perf_counter() - self.t0, sum(gen_times[self.gen_before:])))
+
+    return StepTimer()
+
+
 def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing, lora_rank=0, shape="workload",
             algo=None):
     """TRL's `GRPOTrainer` on the workload (`algo`: `algorithm(...)`, by default its GRPO)."""
@@ -343,14 +357,6 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing,
 
     step_times = []
 
-    class StepTimer(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-            self.gen_before = len(gen_times)
-
-        def on_step_end(self, args, state, control, **kw):
-            step_times.append((time.perf_counter() - self.t0, sum(gen_times[self.gen_before:])))
-
     total = warmup + steps
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
@@ -368,8 +374,8 @@ def run_trl(tm_state_dict, prompts_64x32, warmup, steps, gradient_checkpointing,
                                           task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                                  "gate_proj", "up_proj", "down_proj"])
         trainer = Timed(model=model, reward_funcs=[TRL_REWARDS[n] for n in algo["rewards"]], args=args,
-                        train_dataset=dataset,
-                        processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config)
+                        train_dataset=dataset, processing_class=tokenizer,
+                        callbacks=[step_timer(transformers, gen_times, step_times)], peft_config=peft_config)
         trainer.remove_callback(transformers.PrinterCallback)  # keep stdout for the table
         with _common.CpuWatch() as watch:
             trainer.train()
@@ -452,14 +458,6 @@ def run_trl_gkd(tm_state_dict, teacher_state_dict, prompts_64x32, order, warmup,
             gen_times.append(time.perf_counter() - t0)
             return out
 
-    class StepTimer(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-            self.gen_before = len(gen_times)
-
-        def on_step_end(self, args, state, control, **kw):
-            step_times.append((time.perf_counter() - self.t0, sum(gen_times[self.gen_before:])))
-
     with tempfile.TemporaryDirectory() as out_dir:
         args = GKDConfig(
             output_dir=out_dir, gradient_accumulation_steps=1, learning_rate=1e-6, lr_scheduler_type="linear",
@@ -469,7 +467,7 @@ def run_trl_gkd(tm_state_dict, teacher_state_dict, prompts_64x32, order, warmup,
             **algo["trl"])
         trainer = Timed(model=model, teacher_model=teacher, args=args, train_dataset=dataset,
                         processing_class=tokenizer, data_collator=gkd_collator(prompts_64x32.shape[1]),
-                        callbacks=[StepTimer()])
+                        callbacks=[step_timer(transformers, gen_times, step_times)])
         # Exactly T_NEW tokens, as everywhere in the workload (EOS masked until then).
         trainer.generation_config.min_new_tokens = T_NEW
         trainer.generation_kwargs["min_new_tokens"] = T_NEW
