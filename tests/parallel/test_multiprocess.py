@@ -15,6 +15,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
