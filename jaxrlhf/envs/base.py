@@ -178,8 +178,20 @@ def check_ids(env: Any, method: str, ids: Any) -> list[int]:
     return out
 
 
+def call(env: Any, method: str, *args: Any) -> Any:
+    """`env.<method>(*args)`; what the environment's own code raises becomes an `EnvError`
+    naming its class and the method, the original as its `__cause__` (an `EnvError` or an
+    `EnvLimit` passes through)."""
+    try:
+        return getattr(env, method)(*args)
+    except (EnvError, EnvLimit):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: anything it raises is its contract broken
+        raise EnvError(f"{name_of(env)}.{method} raised {type(e).__name__}: {e}") from e
+
+
 def close(env: Any) -> None:
-    """`env.close()` when the environment has one (errors in it are not the episode's)."""
-    fn = getattr(env, "close", None)
-    if callable(fn):
-        fn()
+    """`env.close()` when the environment has one, through `call` (what it raises is an
+    `EnvError` naming the class)."""
+    if callable(getattr(env, "close", None)):
+        call(env, "close")

@@ -63,7 +63,7 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from jaxrlhf.data import chat as chat_text
-from jaxrlhf.envs.base import EnvError, EnvLimit, TokenStep, check_messages, check_step, close, name_of
+from jaxrlhf.envs.base import EnvError, EnvLimit, TokenStep, call, check_messages, check_step, close, name_of
 
 
 class Delta(NamedTuple):
@@ -154,16 +154,6 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _call(env: Any, method: str, arg: Any) -> Any:
-    """`env.<method>(arg)`, any exception but ours an `EnvError` naming the class and method."""
-    try:
-        return getattr(env, method)(arg)
-    except (EnvError, EnvLimit):
-        raise
-    except Exception as e:  # noqa: BLE001 - user code: anything it raises is its contract broken
-        raise EnvError(f"{name_of(env)}.{method} raised {type(e).__name__}: {e}") from e
-
-
 class ChatEpisode:
     """A text `Env` and a tokenizer with a chat template as a `TokenEnv` (module docstring).
 
@@ -207,7 +197,7 @@ class ChatEpisode:
 
     def reset(self, row: dict) -> list[int]:
         """The prompt's ids: env.reset(row) rendered with the generation prompt."""
-        messages = check_messages(self.env, "reset", _call(self.env, "reset", row))
+        messages = check_messages(self.env, "reset", call(self.env, "reset", row))
         if not messages:
             raise EnvError(f"{name_of(self.env)}.reset returned no messages; expected the episode's first messages")
         self.messages = [dict(m) for m in messages]
@@ -225,7 +215,7 @@ class ChatEpisode:
         stop = not cut and bool(ids) and ids[-1] in self._special
         content = self._decode(ids[:-1] if stop else ids)
         stop_text = self._decode(ids[-1:]) if stop else ""
-        result = check_step(self.env, _call(self.env, "step", content))
+        result = check_step(self.env, call(self.env, "step", content))
         history = self.messages + [{"role": "assistant", "content": content}]
         self.messages = history + [dict(m) for m in result.messages]
         if result.done:
@@ -242,9 +232,4 @@ class ChatEpisode:
 
     def close(self) -> None:
         """The environment's `close()` (when it has one); what it raises is an `EnvError`."""
-        try:
-            close(self.env)
-        except (EnvError, EnvLimit):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise EnvError(f"{name_of(self.env)}.close raised {type(e).__name__}: {e}") from e
+        close(self.env)

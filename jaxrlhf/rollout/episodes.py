@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import envs as envs_lib
-from jaxrlhf.models.transformer import KVCache, Transformer, project_logits
+from jaxrlhf.models.transformer import Transformer, _cache_slots, project_logits
 from jaxrlhf.rollout.sampler import SampleOutput, _pick, _row_keys, _step_noise, is_stop, prefill, stop_ids
 
 LIMITS = ("turns", "tokens", "env_tokens")  # what can cut an episode (`EpisodeOutput.cut`)
@@ -98,7 +98,7 @@ def _decode_turn(model: Transformer, params, state: dict, keys_N, prompt_mask, p
     active `[N]`."""
     n, r = state["tokens"].shape
     p = prompt_mask.shape[1]
-    s = _slots(state["cache"])
+    s = _cache_slots(model.config, state["cache"])
     resp_slot = jnp.arange(s - p)[None, :]
     rows = jnp.arange(n)
 
@@ -136,7 +136,7 @@ def _extend(model: Transformer, params, cache, chunk_NxL, chunk_len_N, fed_N, pr
     chunk's last real token replace that row's `logits_NxV`."""
     n, l = chunk_NxL.shape
     p = prompt_mask.shape[1]
-    s = _slots(cache)
+    s = _cache_slots(model.config, cache)
     go = chunk_len_N > 0
     resp_slot = jnp.arange(s - p)[None, :]
     key_valid = jnp.concatenate([prompt_mask, resp_slot < (fed_N + chunk_len_N)[:, None]], axis=1)
@@ -146,11 +146,6 @@ def _extend(model: Transformer, params, cache, chunk_NxL, chunk_len_N, fed_N, pr
     last = jnp.take_along_axis(out.hidden, jnp.maximum(chunk_len_N - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = project_logits(model.config, params, last).astype(jnp.float32)
     return out.cache, jnp.where(go[:, None], logits, logits_NxV)
-
-
-def _slots(cache) -> int:
-    """S, the slot count of a cache of either layout of `init_cache` (values `[.., S, H]`)."""
-    return (cache if isinstance(cache, KVCache) else cache[0]).v.shape[-2]
 
 
 def run_episodes(
@@ -208,29 +203,15 @@ def run_episodes(
         for env in envs:
             try:
                 envs_lib.close(env)
-            except Exception as e:  # noqa: BLE001 - every env is closed; the first failure is reported
-                errors.append((env, e))
+            except envs_lib.EnvError as e:  # every env is closed; the first failure is reported
+                errors.append(e)
         if errors:
-            env, e = errors[0]
-            raise envs_lib.EnvError(f"{envs_lib.name_of(env)}.close raised {type(e).__name__}: {e}") from e
-
-
-def _call(env, method: str, *args):
-    """`env.<method>(*args)`; an exception from it as an `EnvError` naming the class and
-    method (`envs.EnvLimit`, a limit the environment reports, passes through)."""
-    try:
-        return getattr(env, method)(*args)
-    except envs_lib.EnvLimit:
-        raise
-    except envs_lib.EnvError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's code: named, with its cause
-        raise envs_lib.EnvError(f"{envs_lib.name_of(env)}.{method} raised {type(e).__name__}: {e}") from e
+            raise errors[0]
 
 
 def _run(model, params, envs, rows, rng, n, r, *, max_turns, max_turn_tokens, max_env_tokens, temperature, top_k,
          top_p, eos_id, pad_id, cut_reward, prompt_multiple):
-    prompts = [envs_lib.check_ids(env, "reset", _call(env, "reset", row)) for env, row in zip(envs, rows)]
+    prompts = [envs_lib.check_ids(env, "reset", envs_lib.call(env, "reset", row)) for env, row in zip(envs, rows)]
     for env, ids in zip(envs, prompts):
         if not ids:
             raise envs_lib.EnvError(f"{envs_lib.name_of(env)}.reset returned no tokens; an episode needs a prompt")
@@ -245,7 +226,8 @@ def _run(model, params, envs, rows, rng, n, r, *, max_turns, max_turn_tokens, ma
         raise envs_lib.EnvError(f"{envs_lib.name_of(envs[0])}.reset returned a token id >= the vocabulary ({vocab})")
     chunk_max = _bucket(max_env_tokens + 1)
     s = p + r + chunk_max + 1
-    cache, logits = _prefill(model, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), s - p)
+    prompt_mask_dev = jnp.asarray(prompt_mask)
+    cache, logits = _prefill(model, params, jnp.asarray(prompt_ids), prompt_mask_dev, s - p)
     prompt_len = jnp.asarray(prompt_mask.sum(axis=1), jnp.int32)
     keys = _row_keys(rng, n) if temperature > 0 else None
     state = dict(cache=cache, logits=logits.astype(jnp.float32), tokens=jnp.full((n, r), pad_id, jnp.int32),
@@ -267,7 +249,7 @@ def _run(model, params, envs, rows, rng, n, r, *, max_turns, max_turn_tokens, ma
                                eos_id=tuple(stop_ids(eos_id)))
     while not done.all():
         start = pos.copy()
-        state = decode(params, state, keys, jnp.asarray(prompt_mask), prompt_len)
+        state = decode(params, state, keys, prompt_mask_dev, prompt_len)
         tokens = np.asarray(state["tokens"])
         pos = np.asarray(state["pos"]).astype(np.int64)
         turn_end = pos.copy()  # each row's last policy token is at turn_end - 1, not fed yet
@@ -282,7 +264,7 @@ def _run(model, params, envs, rows, rng, n, r, *, max_turns, max_turn_tokens, ma
                 continue
             t0 = time.perf_counter()
             try:
-                step = envs_lib.check_token_step(envs[i], _call(envs[i], "step", action, not stopped))
+                step = envs_lib.check_token_step(envs[i], envs_lib.call(envs[i], "step", action, not stopped))
             except envs_lib.EnvLimit as e:
                 done[i], cut[i] = True, e.kind if e.kind in LIMITS else "env_tokens"
                 continue
@@ -310,20 +292,19 @@ def _run(model, params, envs, rows, rng, n, r, *, max_turns, max_turn_tokens, ma
             env_mask[i, pos[i]:pos[i] + len(step.ids)] = True
             prefill_tokens[i] += len(step.ids)
             pos[i] += len(step.ids)
-        for i in np.flatnonzero(np.array([c is not None for c in cut])):
-            rewards[i] = cut_reward
         if done.all():
             break
         go = chunk_len > 0
         width = _bucket(int(chunk_len.max()))
         cache, logits = _extend(model, params, state["cache"], jnp.asarray(chunk_ids[:, :width]), jnp.asarray(chunk_len),
                                 jnp.asarray(np.where(go, turn_end - 1, 0), jnp.int32),
-                                jnp.asarray(prompt_mask), prompt_len, state["logits"])
+                                prompt_mask_dev, prompt_len, state["logits"])
         tokens = tokens.copy()
         for i in np.flatnonzero(go):
             tokens[i, turn_end[i]:pos[i]] = chunk_ids[i, 1:chunk_len[i]]
         state.update(cache=cache, logits=logits, tokens=jnp.asarray(tokens), pos=jnp.asarray(pos, jnp.int32),
                      active=jnp.asarray(go))
+    rewards[[c is not None for c in cut]] = cut_reward  # an episode cut by a limit: its steps' rewards replaced
     return _output(state, prompt_ids, prompt_mask, env_mask, rewards, turns, cut, prefill_tokens, env_seconds, r, pad_id)
 
 
