@@ -30,7 +30,8 @@ How it runs (`run_episodes`), for N episodes side by side:
   over `max_env_tokens` (or an `envs.EnvLimit`) — with `cut_reward` as its reward and the
   limit counted (`EpisodeOutput.cut`).
 
-What comes out (`EpisodeOutput.sample`, a `SampleOutput` of N rows, response length R):
+What comes out (`EpisodeOutput.sample`, a `SampleOutput` of N rows of host (NumPy) arrays,
+response length R):
 `response_ids` all the episode's tokens after the prompt, `response_mask` the **policy
 mask** (the tokens the policy sampled: the loss, KL, entropy and GRPO's advantages count
 these only; it has holes where the environment's tokens are), `attention_mask` the prompt ⧺
@@ -166,6 +167,8 @@ def run_episodes(
     pad_id: int = 0,
     cut_reward: float = 0.0,
     prompt_multiple: int = 8,
+    prompt_len: int | None = None,
+    prompt_field: str = "prompt_len",
 ) -> EpisodeOutput:
     """Run one episode per environment: `envs[i]` (a `TokenEnv`; reset with `rows[i]`,
     closed at the end whatever happens), sampled with `rng` (module docstring).
@@ -184,6 +187,9 @@ def run_episodes(
       pad_id: fills the buffers past each episode's end.
       cut_reward: the reward of an episode cut by a limit.
       prompt_multiple: P is rounded up to a multiple of this (fewer compiles).
+      prompt_len: the longest prompt allowed; P is then this rounded up, the same for every
+        call (one compile for every batch); a longer prompt is a ValueError naming
+        `prompt_field`. None: P is the batch's longest prompt rounded up.
     """
     if len(envs) != len(rows):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(rows)} rows; one row per environment")
@@ -197,7 +203,8 @@ def run_episodes(
     try:
         return _run(model, params, envs, rows, rng, n, r, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
                     max_env_tokens=max_env_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                    pad_id=pad_id, cut_reward=cut_reward, prompt_multiple=prompt_multiple)
+                    pad_id=pad_id, cut_reward=cut_reward, prompt_multiple=prompt_multiple, prompt_len=prompt_len,
+                    prompt_field=prompt_field)
     finally:
         errors = []
         for env in envs:
@@ -210,13 +217,17 @@ def run_episodes(
 
 
 def _run(model, params, envs, rows, rng, n, r, *, max_turns, max_turn_tokens, max_env_tokens, temperature, top_k,
-         top_p, eos_id, pad_id, cut_reward, prompt_multiple):
+         top_p, eos_id, pad_id, cut_reward, prompt_multiple, prompt_len, prompt_field):
     prompts = [envs_lib.check_ids(env, "reset", envs_lib.call(env, "reset", row)) for env, row in zip(envs, rows)]
     for env, ids in zip(envs, prompts):
         if not ids:
             raise envs_lib.EnvError(f"{envs_lib.name_of(env)}.reset returned no tokens; an episode needs a prompt")
     vocab = model.config.vocab_size
-    p = -(-max(map(len, prompts)) // prompt_multiple) * prompt_multiple
+    longest = max(map(len, prompts))
+    if prompt_len is not None and longest > prompt_len:
+        raise ValueError(f"an episode's prompt (its environment's reset) has {longest} tokens, over "
+                         f"{prompt_field}={prompt_len}: raise it")
+    p = -(-(longest if prompt_len is None else prompt_len) // prompt_multiple) * prompt_multiple
     prompt_ids = np.full((n, p), pad_id, np.int32)
     prompt_mask = np.zeros((n, p), bool)
     for i, ids in enumerate(prompts):
@@ -314,10 +325,8 @@ def _output(state, prompt_ids, prompt_mask, env_mask, rewards, turns, cut, prefi
     tokens = np.where(valid, np.asarray(state["tokens"]), pad_id).astype(np.int32)
     logps = np.where(policy, np.asarray(state["logps"]), 0.0).astype(np.float32)
     sample = SampleOutput(
-        prompt_ids=jnp.asarray(prompt_ids), prompt_mask=jnp.asarray(prompt_mask), response_ids=jnp.asarray(tokens),
-        response_mask=jnp.asarray(policy), logprobs=jnp.asarray(logps),
-        sequences=jnp.asarray(np.concatenate([prompt_ids, tokens], axis=1)),
-        attention_mask=jnp.asarray(np.concatenate([prompt_mask, valid], axis=1)),
-        lengths=jnp.asarray(policy.sum(axis=1), jnp.int32))
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens, response_mask=policy, logprobs=logps,
+        sequences=np.concatenate([prompt_ids, tokens], axis=1),
+        attention_mask=np.concatenate([prompt_mask, valid], axis=1), lengths=policy.sum(axis=1).astype(np.int32))
     return EpisodeOutput(sample=sample, env_mask=env_mask, rewards=rewards.astype(np.float32), turns=turns, cut=cut,
                          prefill_tokens=prefill_tokens, stats=dict(env_seconds=env_seconds))

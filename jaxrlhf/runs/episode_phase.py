@@ -49,34 +49,17 @@ PROMPT_MULTIPLE = 8
 
 def run(model, params, task: Task, rows: list, rng, *, temperature: float, top_k: int = 0, top_p: float = 1.0):
     """`(EpisodeOutput, envs)`: one episode per row of `rows`, each with a fresh environment
-    of the task, the prompts left-padded to one fixed width (the task's `prompt_len`
-    rounded up to a multiple of 8: every step compiles the same shapes)."""
+    of the task, the prompts left-padded to one fixed width (the task's `prompt_len`, its
+    longest allowed, rounded up to a multiple of 8: every step compiles the same shapes)."""
     spec = task.episodes
     envs = [spec.make_env() for _ in rows]
     out = engine.run_episodes(model, params, envs, rows, rng, max_turns=spec.max_turns,
                               max_turn_tokens=spec.max_turn_tokens, max_total_tokens=spec.max_total_tokens,
                               max_env_tokens=spec.max_env_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               eos_id=spec.stop_ids, pad_id=task.pad_id, cut_reward=spec.cut_reward,
-                              prompt_multiple=PROMPT_MULTIPLE)
-    width = -(-task.prompt_len // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
-    longest = int(np.asarray(out.sample.prompt_mask).sum(axis=1).max())
-    if longest > task.prompt_len:
-        raise ValueError(f"an episode's prompt (its environment's reset) has {longest} tokens, over the task's "
-                         f"{task.prompt_len} (task.max_prompt_tokens): raise it")
-    return out._replace(sample=_left_pad(out.sample, width, task.pad_id)), envs
-
-
-def _left_pad(s: SampleOutput, width: int, pad_id: int) -> SampleOutput:
-    """`s` with its prompts left-padded to `width` columns (host arrays)."""
-    s = SampleOutput(*(np.asarray(x) for x in s))
-    extra = width - s.prompt_ids.shape[1]
-    if extra <= 0:
-        return s
-    n = s.prompt_ids.shape[0]
-    ids = np.concatenate([np.full((n, extra), pad_id, s.prompt_ids.dtype), s.prompt_ids], axis=1)
-    mask = np.concatenate([np.zeros((n, extra), s.prompt_mask.dtype), s.prompt_mask], axis=1)
-    return s._replace(prompt_ids=ids, prompt_mask=mask, sequences=np.concatenate([ids, s.response_ids], axis=1),
-                      attention_mask=np.concatenate([mask, s.attention_mask[:, -s.response_ids.shape[1]:]], axis=1))
+                              prompt_multiple=PROMPT_MULTIPLE, prompt_len=task.prompt_len,
+                              prompt_field="task.max_prompt_tokens")
+    return out, envs
 
 
 def episode_metrics(out: engine.EpisodeOutput, envs: list) -> dict:
