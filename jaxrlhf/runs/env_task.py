@@ -13,7 +13,7 @@ imports, the rows read, and the first training row's prompt renders within
 
 from __future__ import annotations
 
-from jaxrlhf import data, rewards
+from jaxrlhf import data, options, rewards
 from jaxrlhf.runs import tasks
 from jaxrlhf.runs.tasks import Episodes, Task, task_tokenizer, template_kwargs, text_stop_ids
 
@@ -44,9 +44,11 @@ def _episodes(env, make_env, rows, test_rows, stop_ids) -> Episodes:
 
 
 def _env_section(env):
+    """`sections.EnvSection` of the `env` section (None: its defaults), built and checked by
+    `options.build` as every section is."""
     from jaxrlhf.runs.sections import EnvSection
 
-    return EnvSection(**{k: v for k, v in (env or {}).items()})
+    return options.build(EnvSection, env or {}, "env.")
 
 
 def _is_text_env(cls) -> bool:
