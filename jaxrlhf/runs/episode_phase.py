@@ -100,14 +100,14 @@ def _head(out: engine.EpisodeOutput, k: int) -> engine.EpisodeOutput:
 
 
 def make_episode_accuracy_fn(model, task: Task, *, batch_size: int = 512, placement=None):
-    """`accuracy(params, return_samples=0) -> {"accuracy", "reward", ...}` (with
-    `return_samples`, `(result, samples)`): greedy episodes on the task's test rows, in
+    """`accuracy(params) -> {"accuracy", "reward", ...}` (with `return_samples=k`, 0
+    included, `(result, the first k samples)`): greedy episodes on the task's test rows, in
     batches of `batch_size` episodes (a short last batch padded with copies of its last row,
     so every batch compiles alike)."""
     del placement  # one process: the episodes run on its devices
     rows = task.episodes.test_rows
 
-    def accuracy(params, *, return_samples: int = 0):
+    def accuracy(params, *, return_samples: int | None = None):
         correct, rewards, figures, samples = [], [], [], []
         for i in range(0, len(rows), batch_size):
             batch = rows[i:i + batch_size]
@@ -119,7 +119,7 @@ def make_episode_accuracy_fn(model, task: Task, *, batch_size: int = 512, placem
             rewards.append(np.asarray(out.rewards))
             figures.append((k, episode_metrics(out, envs)))
             s = out.sample
-            for j in range(min(return_samples - len(samples), k)):
+            for j in range(min((return_samples or 0) - len(samples), k)):
                 prompt = task.decode(s.prompt_ids[j][s.prompt_mask[j]])
                 text = task.decode(s.response_ids[j][s.attention_mask[j, -s.response_ids.shape[1]:]])
                 samples.append((prompt, text, float(correct[-1][j])))
@@ -128,7 +128,7 @@ def make_episode_accuracy_fn(model, task: Task, *, batch_size: int = 512, placem
         for key in figures[0][1]:
             if key != "episode/env_seconds":
                 result[key.removeprefix("episode/")] = sum(k * f.get(key, 0.0) for k, f in figures) / n
-        return (result, samples) if return_samples else result
+        return result if return_samples is None else (result, samples)
 
     return accuracy
 

@@ -116,7 +116,8 @@ def make_sampled_responses(model: Transformer, task: Task, *, num_samples: int, 
 
 def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, placement=None,
                      sampled: SampledEval | None = None, seed: int = 0, slots: int = 0):
-    """`accuracy(params) -> {"accuracy", "reward", ...}`: the held-out evaluation.
+    """`accuracy(params) -> {"accuracy", "reward", ...}`: the held-out evaluation (with
+    `return_samples=k`, 0 included, `(result, the first k greedy samples)`).
 
     Greedy decoding: `accuracy` is the mean of the reward's first component (the
     exact-match reward of the built-in tasks); `reward` the mean of the full weighted
@@ -165,7 +166,7 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
         flat = task.answers(ids, mask)
         return sampled_metrics(correct, [flat[r * n:(r + 1) * n] for r in range(correct.shape[0])], sampled.ks)
 
-    def accuracy(params, *, return_samples: int = 0):
+    def accuracy(params, *, return_samples: int | None = None):
         totals, exact, samples = [], [], []
         for _, batch, rows, placed in _prompt_batches(p, batch_size, placement):
             out = decode_greedy(params, placed["prompt_ids"], placed["prompt_mask"])
@@ -173,7 +174,7 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
             totals.append(np.asarray(task.reward.total(parts))[np.asarray(task.reward.scored(parts))])
             exact.append(np.asarray(parts[first]))
             ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
-            for j in range(min(return_samples - len(samples), ids.shape[0])):
+            for j in range(min((return_samples or 0) - len(samples), ids.shape[0])):
                 prompt = task.decode(batch["prompt_ids"][j][batch["prompt_mask"][j]])
                 samples.append((prompt, task.decode(ids[j][mask[j]]), float(exact[-1][j])))
         totals = np.concatenate(totals)  # the rows some weighted reward scored
@@ -181,6 +182,6 @@ def make_accuracy_fn(model: Transformer, task: Task, *, batch_size: int = 512, p
                   "reward": float(totals.mean()) if totals.size else float("nan")}
         if sampled is not None:
             result.update(sampled_eval(params))
-        return (result, samples) if return_samples else result
+        return result if return_samples is None else (result, samples)
 
     return accuracy
