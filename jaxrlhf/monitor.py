@@ -85,6 +85,10 @@ class MonitorConfig:
                                        "1e-6 in a healthy run: the policy has not moved yet)", above=0)
     first_approx_kl_max: float = option(1e-3, "nats per token of approx_kl at the first minibatch", min=0)
     sampler_logp_diff_max: float = option(1.0, "nats, max |sampler logp − trainer logp| over tokens", min=0)
+    mismatch_kl_max: float = option(0.05, "nats per token: warn when mismatch_kl (the k3 estimate of KL(sampler ‖ "
+                                    "proximal policy) on the sampled tokens, `algorithms.offpolicy`) passes this: the "
+                                    "samples are too stale for the step size, or the sampler drifted from the trainer",
+                                    min=0)
     value_loss_factor: float = option(10.0, "warn when the value loss passes this × its running median", above=0)
     value_loss_window: int = option(20, "steps of that running median", min=1)
     value_loss_min_history: int = option(5, "steps known before the value-loss check starts", min=1)
@@ -101,6 +105,7 @@ class MonitorConfig:
     first_approx_kl_key: str = option("first/approx_kl", "the first minibatch's approx_kl", cli=False)
     sampler_logp_key: str = option("sampler_logp_diff_max", "the sampler/trainer log-prob gap", cli=False)
     value_loss_key: str = option("value_loss", "the value loss", cli=False)
+    mismatch_kl_key: str = option("mismatch_kl", "the sampler/proximal-policy KL", cli=False)
 
     @classmethod
     def for_algorithm(cls, name: str, **thresholds) -> "MonitorConfig":
@@ -190,6 +195,12 @@ class HealthMonitor:
         if diff is not None and diff > c.sampler_logp_diff_max:
             out.append(f"[sampler_logp] step {step}: sampler and trainer log-probs differ by up to {diff:.3g} "
                        f"nats (> {c.sampler_logp_diff_max:g})")
+
+        mkl = get(c.mismatch_kl_key)
+        if mkl is not None and mkl > c.mismatch_kl_max:
+            out.append(f"[mismatch_kl] step {step}: {c.mismatch_kl_key} = {mkl:.3g} nats per token > "
+                       f"{c.mismatch_kl_max:g}: the sampler's policy is far from the trained one (lower "
+                       f"max_staleness or the learning rate, or turn on the importance-weight correction)")
 
         vl = get(c.value_loss_key)
         if vl is not None:

@@ -66,6 +66,15 @@ def test_sampler_logp_mismatch():
     assert codes(run([dict(healthy(0), sampler_logp_diff_max=3.0)])) == {"[sampler_logp]"}
 
 
+def test_sampler_policy_drifting_from_the_trained_one():
+    """`mismatch_kl` (the off-policy correction's KL(μ ‖ π_prox)) past its bound warns, at
+    the first step past it; just under it does not."""
+    stream = [dict(healthy(0), mismatch_kl=0.01), dict(healthy(1), mismatch_kl=0.049), dict(healthy(2), mismatch_kl=0.2)]
+    warnings = run(stream)
+    assert codes(warnings) == {"[mismatch_kl]"} and warnings[0].startswith("[mismatch_kl] step 2")
+    assert run(stream, mismatch_kl_max=0.5) == []
+
+
 def test_value_loss_exploding():
     stream = [healthy(i) for i in range(10)] + [dict(healthy(10), value_loss=50.0)]
     warnings = run(stream)

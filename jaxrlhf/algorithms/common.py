@@ -301,10 +301,10 @@ def metric_reduction(name: str) -> str:
     """How a metric combines over micro-batches or steps: "max", "min" or "mean".
 
     Extremes must stay extremes (a mean of per-chunk maxima understates the worst ratio):
-    names ending in `_max` (and `logp_mismatch`, a max by definition) are maxed, names
-    ending in `_min` minimised; everything else is averaged.
+    names ending in `_max` (and `logp_mismatch`, `max_abs_logp_diff`, maxima by definition)
+    are maxed, names ending in `_min` minimised; everything else is averaged.
     """
-    if name.endswith("_max") or name == "logp_mismatch":
+    if name.endswith("_max") or name in ("logp_mismatch", "max_abs_logp_diff"):
         return "max"
     if name.endswith("_min"):
         return "min"

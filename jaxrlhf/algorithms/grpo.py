@@ -49,7 +49,7 @@ import optax
 
 from jaxrlhf import ops
 from jaxrlhf import rewards as rewards_lib
-from jaxrlhf.algorithms import advantages, common, guide, kl_controller, kl_terms, scoring, timing
+from jaxrlhf.algorithms import advantages, common, guide, kl_controller, kl_terms, offpolicy, scoring, timing
 from jaxrlhf.algorithms.experience import sample_responses, score_responses
 from jaxrlhf.algorithms.grpo_config import ADVANTAGES, RATIO_LEVELS, GRPOConfig, preset
 from jaxrlhf.algorithms.scoring import GroupSelection, overlong_penalty, select_groups
@@ -197,12 +197,13 @@ def importance_logp(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, *, le
 
 
 def policy_term(logp: jax.Array, old_logp: jax.Array, advantages_NxT: jax.Array, mask: jax.Array,
-                cfg: GRPOConfig) -> tuple[jax.Array, dict]:
+                cfg: GRPOConfig, is_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """The policy-gradient term of the loss and its metrics (`clipfrac`, `approx_kl`,
     `ratio_mean/min/max`): `cfg.policy_loss` "clip", `ops.policy_loss` (clip-higher, dual
     clip), or "cispo", `ops.cispo_loss` with ε_low = `clip_low`, ε_high = `clip_high`
-    (None: `clip_low`); aggregated by `cfg.agg`."""
-    agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len)
+    (None: `clip_low`); aggregated by `cfg.agg`, each token's term times `is_weights`
+    when given (`offpolicy.correction`)."""
+    agg = dict(agg=cfg.agg, norm_len=cfg.loss_norm_len, is_weights=is_weights)
     if cfg.policy_loss == "cispo":
         high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
         return ops.cispo_loss(logp, old_logp, advantages_NxT, mask, clip_low=cfg.clip_low, clip_high=high, **agg)
@@ -241,8 +242,12 @@ def loss_fn(
     Returns: `(loss, metrics)`; metrics are unscaled: `loss`, `policy_loss`, `clipfrac`,
     `approx_kl`, `ratio_mean/min/max`, `entropy`, and `kl/mean` when the batch has reference
     log-probs (β > 0 or `track_kl`), `logp_mismatch`
-    (max |logp − sampler_logp|) when the batch has sampler log-probs, `guide/nll` with
-    guide rows.
+    (max |logp − sampler_logp|) and the off-policy correction's `is_weight_mean`,
+    `is_weight_max`, `is_frac_truncated`, `mismatch_kl`, `max_abs_logp_diff` (of `old_logp`,
+    the proximal policy, against the sampler's; not with `correction.bypass`) when the batch
+    has sampler log-probs, `guide/nll` with guide rows. With `cfg.correction.mode` other
+    than "none" each token's policy-gradient term is weighted by `offpolicy.correction`'s
+    importance weight.
     """
     p = batch.sequences.shape[1] - batch.response_mask.shape[1]
     mask = batch.response_mask.astype(bool)
@@ -250,10 +255,13 @@ def loss_fn(
                                             temperature=cfg.sampling.temperature, with_entropy=True,
                                             group_size=group_size, dropout_rng=dropout_rng)
     old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
+    is_weights, is_metrics = None, {}
+    if batch.sampler_logp is not None and not cfg.correction.bypass:  # π_prox = old_logp against μ = the sampler
+        is_weights, is_metrics = offpolicy.correction(cfg.correction, old_logp, batch.sampler_logp, mask)
     ratio_logp = importance_logp(logp, old_logp, mask, level=cfg.ratio_level)
-    pg_loss, pg = policy_term(ratio_logp, old_logp, batch.advantages, mask, cfg)
+    pg_loss, pg = policy_term(ratio_logp, old_logp, batch.advantages, mask, cfg, is_weights)
     loss = pg_loss
-    metrics = dict(pg, policy_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
+    metrics = dict(pg, **is_metrics, policy_loss=pg_loss, entropy=ops.masked_mean(jax.lax.stop_gradient(ent), mask))
     if cfg.beta > 0 and batch.ref_logp is None:
         raise ValueError("GRPO loss: beta > 0 needs ref_logp (a reference model)")
     if batch.ref_logp is not None:
@@ -411,7 +419,10 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     p = out.sequences.shape[1] - mask.shape[1]
     forward = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
                                 prompt_len=p, temperature=cfg.sampling.temperature, group_size=cfg.prompt_group(n))
-    old_logp = None if cfg.reuses_rollout_logp else forward(state.policy.params)
+    if cfg.correction.bypass:  # the sampler's log-probs are old_logp: no proximal forward pass
+        old_logp = out.logprobs
+    else:
+        old_logp = None if cfg.reuses_rollout_logp else forward(state.policy.params)
     ref_logp = forward(reference_params(state)) if cfg.uses_reference else None
     kl_N = None
     if ref_logp is not None and (cfg.kl_in == "reward" or cfg.kl_config.adaptive):

@@ -10,6 +10,7 @@ import warnings
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import advantages, kl_controller, kl_terms
+from jaxrlhf.algorithms.offpolicy import CorrectionConfig
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.options import check, option
 
@@ -83,6 +84,10 @@ class GRPOConfig:
     share_prompt: bool = option(True, "run each group's prompt once in the scoring and training forward passes, its "
                                 "G responses on the prompt's keys and values: the same numbers up to float "
                                 "rounding, (P + T)·G → P + T·G tokens; used wherever rows stay in whole groups")
+    correction: CorrectionConfig = option(doc="the off-policy correction for samples drawn by another policy than "
+                                          "the proximal one (the sampler's numerics; rollout ahead of learning, "
+                                          "`runs.pipeline`): importance weights, or the sampler's log-probs as "
+                                          "old_logp (`algorithms.offpolicy`)", factory=CorrectionConfig)
     guide_coef: float = option(0.0, "c > 0 adds c· the token-mean NLL of the prompt's reference completion for "
                                "every prompt whose group's best score is below guide_below (`algorithms.guide`: "
                                "supervised guidance on the prompts RL gets no signal from, as in ReLIFT / SRFT); "
