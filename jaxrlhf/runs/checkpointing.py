@@ -120,6 +120,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of the checkpoints on disk, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state: Any, meta: dict, *, best: Any = None, force: bool = False) -> None:
         items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         if best is not None:

@@ -39,7 +39,7 @@ from jaxrlhf.monitor import HealthMonitor
 from jaxrlhf.parallel import distributed
 from jaxrlhf.rollout.buckets import CompileCounter
 from jaxrlhf.runs.checkpointing import Checkpointer
-from jaxrlhf.runs.hooks import Context, as_user_hook
+from jaxrlhf.runs.hooks import Context, Hook, as_user_hook
 from jaxrlhf.runs.loop_hooks import (SAVE_WAIT_S, CheckMetrics, Checkpoints, Evaluate, GuardUpdates, Preemption,
                                      StopEarly, WriteMetrics)
 from jaxrlhf.runs.metrics import MetricsWriter, to_python
@@ -67,7 +67,9 @@ class Batches(Protocol):
     puts a new source there when the phase resumes, so that the resumed run takes the
     batches an uninterrupted one would have. A source whose batches depend on the
     trainer's state (an asynchronous sampler) must record in its position what it needs
-    to make them again, or say in its documentation that resuming is not exact.
+    to make them again, or say in its documentation that resuming is not exact. A source
+    that is also a `hooks.Hook` (`runs.pipeline.Pipeline`: it needs the first state, the
+    new states and the checkpoints) joins the hooks after early stopping, before the user's.
     """
 
     def next_batch(self) -> Any: ...
@@ -185,6 +187,7 @@ def run_phase(
     ctx = Context(phase=phase, workdir=Path(workdir), writer=writer, checkpointer=ckpt, batches=batches, state=state,
                   hooks=(CheckMetrics(monitor), guard, Evaluate(eval_fn, phase.eval_every),
                          *([StopEarly(early_stop, eval_fn, params_of, with_params)] if early_stop is not None else []),
+                         *([batches] if isinstance(batches, Hook) else []),
                          *(as_user_hook(h) for h in (*phase.hooks, *hooks)), WriteMetrics(), preemption, checkpoints))
     last: dict = {}
     where_time_goes = TimeSplit()

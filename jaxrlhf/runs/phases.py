@@ -43,6 +43,7 @@ from jaxrlhf.monitor import METRIC_KEYS, HealthMonitor, MonitorConfig
 from jaxrlhf.rollout.sampler import SampleOutput
 from jaxrlhf.algorithms.ppo_rollout import on_actor
 from jaxrlhf.runs.completions import completion_rows
+from jaxrlhf.runs import pipeline
 from jaxrlhf.runs.hooks import load_hooks
 from jaxrlhf.runs.loop import ArrayBatches, PhaseConfig, run_phase
 from jaxrlhf.runs.sharding import Placement
@@ -232,10 +233,11 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
                                               reward_params=rp)
     state, state_sh = placement.init_state(make, *args, params_shardings=p_sh, roles=roles)
     # The task pads every prompt to one length already: no buckets.
-    step = rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement, state_sh,
-                   keys, pool, gcfg.sampling, task=task, drop_unscored=True,
-                   completions=completions_sink(train, writer, "grpo", lambda s: s.reward_params,
-                                                with_advantage=not gcfg.dynamic_sampling))
+    ahead = (options.build(pipeline.PipelineSection, cfg.get("pipeline", {}), "grpo.pipeline."), batches, rng)
+    step, batches = rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement,
+                            state_sh, keys, pool, gcfg.sampling, task=task, drop_unscored=True, ahead=ahead,
+                            completions=completions_sink(train, writer, "grpo", lambda s: s.reward_params,
+                                                         with_advantage=not gcfg.dynamic_sampling))
     monitor = health_monitor(train.monitor, "grpo", clip=gcfg.clip_low)
     state, last = run_phase(
         phase_config("grpo", cfg, train, show=("reward/mean", "kl/mean", "response_length/mean", "eval/accuracy",
@@ -263,7 +265,7 @@ def _advantages(prepared):
 
 
 def rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: Placement, state_sh, keys,
-             rows: int, sampling, *, task: Task, completions=None, drop_unscored: bool = False):
+             rows: int, sampling, *, task: Task, completions=None, drop_unscored: bool = False, ahead=None):
     """`step(state, local_rows, rng)` of an RL phase (GRPO's or PPO's `split`) on the mesh.
     `drop_unscored`: the phase drops a row no weighted host reward scores (GRPO, PPO), which is
     then no error (`Reward.host_scores`; a process whose rows are all unscored still is).
@@ -275,13 +277,20 @@ def rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: P
     responses on the host too: each process cuts its own after the rollout, before any
     scoring. Otherwise, with a pure-JAX reward, one sharded program (`parts.fused`), untimed.
 
+    `ahead`: `(pipeline section, prompt batches, the phase's rng)` (`runs.pipeline`); when
+    its `max_staleness` > 0 (or its schedule is "free") rollout runs ahead of learning and
+    `rl_step` returns `(step, pipeline)`, the pipeline being the loop's batches (and hook);
+    else `(step, prompt batches)`.
+
     `completions` (`completions_sink`): every N steps the first rows of this process's scored
     responses go to its sink (`runs.completions`), the reward's JAX components evaluated
     once more on them before the update; the step then runs split."""
-    if reward.is_jax and not train.time_split and not task.stop_strings and completions is None:
+    pipe = ahead is not None and ahead[0].active
+    if reward.is_jax and not train.time_split and not task.stop_strings and completions is None and not pipe:
         def fused(state, batch, rng):
             return parts.fused(state, batch["prompt_ids"], batch["prompt_mask"], {k: batch[k] for k in keys}, rng)
-        return sharded_step(fused, placement, state_sh, rows)
+        step = sharded_step(fused, placement, state_sh, rows)
+        return step if ahead is None else (step, ahead[1])
     update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
     compiled = {}
 
@@ -342,21 +351,37 @@ def rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: P
         sink(completion_rows(task.tokenizer, out, scores, np.asarray(reward.total(scores)), adv), step=step_number)
         seen.clear()
 
-    def step(state, local, rng):
+    def prepare(local):
+        """This process's prompt rows as `(local, global batch, extras)`."""
         local = host_extras(local, tuple(local))  # object arrays (answer strings) become lists
         batch = placement.global_batch({k: v for k, v in local.items() if hasattr(v, "shape")}, rows)
-        extras = {k: batch[k] for k in keys if k in batch}
+        return local, batch, {k: batch[k] for k in keys if k in batch}
+
+    def scorer(state):
+        """`(score program, step number or 0)`: the one that keeps the rows on a logging step."""
         step_number = int(state.step.addressable_data(0)) + 1 if every else 0
         logging_step = every and step_number % every == 0
-        state, metrics = timing.run_split(rollout, score_seen if logging_step else score, update, state,
+        return (score_seen if logging_step else score), (step_number if logging_step else 0)
+
+    def step(state, local, rng):
+        local, batch, extras = prepare(local)
+        score_fn, logging_step = scorer(state)
+        state, metrics = timing.run_split(rollout, score_fn, update, state,
                                           batch["prompt_ids"], batch["prompt_mask"], extras, rng,
                                           host=None if reward.is_jax else host_scores(local),
                                           cut=cut if task.stop_strings else None)
         if logging_step:
-            log_rows(step_number)
+            log_rows(logging_step)
         return state, metrics
 
-    return step
+    if ahead is None:
+        return step
+    if not pipe:
+        return step, ahead[1]
+    programs = pipeline.RLPrograms(prepare=prepare, rollout=rollout, scorer=scorer, update=update,
+                                   host=None if reward.is_jax else host_scores, cut=cut if task.stop_strings else None,
+                                   log_rows=log_rows, placement=placement, rows=rows * sampling.num_samples)
+    return pipeline.pipelined(programs, *ahead, groups_per_batch=rows)
 
 
 def load_critic(path: str, policy: Transformer, *, seed: int, placement: Placement):

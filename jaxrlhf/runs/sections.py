@@ -27,6 +27,7 @@ from jaxrlhf.algorithms.sft import SFTConfig
 from jaxrlhf.monitor import MonitorConfig
 from jaxrlhf.options import option
 from jaxrlhf.runs import registry
+from jaxrlhf.runs.pipeline import PipelineSection
 
 _frozen = dataclasses.dataclass(frozen=True)
 PPO_REWARDS = ("model", "task")
@@ -58,6 +59,8 @@ class GRPORun:
     seed: int = _seed()
     optim: OptimConfig = option(doc="the optimizer (its schedule counts optimizer steps: μ × minibatches per "
                                 "iteration)", factory=OptimConfig)
+    pipeline: PipelineSection = option(doc="rollout ahead of learning: the staleness bound and the schedule "
+                                       "(`runs.pipeline`)", factory=PipelineSection)
 
 
 @_frozen
