@@ -117,6 +117,7 @@ class Pipeline(Hook):
         self._error: BaseException | None = None
         self._dir: Path | None = None
         self.dropped_groups = 0
+        self.last_dispatched: Any = None  # the newest rollout's sample (its arrays: device work in flight)
 
     # ------------------------------------------------------------------ Batches
 
@@ -180,6 +181,7 @@ class Pipeline(Hook):
         index, position = self._next, dict(self.prompts.position)
         local = self.prompts.next_batch()
         sample = self._dispatch(state, local, jax.random.fold_in(self.rng, index))
+        self.last_dispatched = sample
         future = self._pool.submit(self._finish, sample)
         self._buffer.append(Item(index, self._version, position, future))
         self._next += 1
@@ -339,8 +341,13 @@ def pipelined(programs: RLPrograms, section: PipelineSection, prompts, rng: jax.
         sample = item.sample
         score, logging_step = p.scorer(state)
         with pipe.lock:
+            # One device set: its programs take turns. The rollouts dispatched are waited for
+            # before the learner's programs, and the update before the next rollout, so that
+            # no two programs share the cores (XLA:CPU would run them side by side, each
+            # slower); what overlaps is the host work on the worker thread.
+            jax.block_until_ready(pipe.last_dispatched["out"])
             prepared, m_score = score(state, sample["out"], sample["extras"], sample["host"], rng)
-            state, m_train = p.update(state, prepared, rng)
+            state, m_train = jax.block_until_ready(p.update(state, prepared, rng))
             pipe.publish(state)
         metrics = {**m_score, **m_train, **pipe.metrics(item)}
         if p.host is not None or p.cut is not None:
