@@ -45,13 +45,13 @@ CONFIGS = tuple(RUNS)
 BEGIN, END = "<!-- learning_43:begin -->", "<!-- learning_43:end -->"
 
 
-def run(name: str, seed: int, variant: str, out: Path) -> dict:
+def run(name: str, seed: int, variant: str, out: Path, runs: dict = RUNS) -> dict:
     """The summary of one run (run now unless its `summary.json` exists), with the largest
     `grpo/clipfrac` its metrics logged as `max_clipfrac`."""
     workdir = out / name / f"seed{seed}"
     summary = workdir / "summary.json"
     if not summary.exists():
-        file, overrides, _, _ = RUNS.get(name, (name, (), "", None))
+        file, overrides, _, _ = runs.get(name, (name, (), "", None))
         config = f"configs/{file}.py" + (f":{variant}" if variant else "")
         cmd = [sys.executable, "-m", "jaxrlhf.train", f"--config={config}", f"--workdir={workdir}",
                f"--config.seed={seed}", *(f"--config.{o}" for o in overrides)]
@@ -89,9 +89,9 @@ def verdict(ours, theirs) -> str:
     return f"{d:+.1f} ± {se:.1f} points: {word}"
 
 
-def table(results: dict[tuple[str, int], dict]) -> str:
+def table(results: dict[tuple[str, int], dict], runs: dict = RUNS) -> str:
     """Markdown: one row per (config, seed), exact match after SFT and after GRPO."""
-    what = lambda name: RUNS.get(name, (name, (), name, None))
+    what = lambda name: runs.get(name, (name, (), name, None))
     lines = ["| run | seed | after SFT | after RL | gain | wall time | max clipfrac |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for (name, seed), s in results.items():
