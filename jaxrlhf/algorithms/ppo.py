@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrlhf import rewards
-from jaxrlhf.algorithms import common, kl_controller, scoring, timing
+from jaxrlhf.algorithms import common, kl_controller, offpolicy, scoring, timing
 from jaxrlhf.algorithms.common import (
     TrainState,
     accumulate_gradients,
@@ -274,6 +274,8 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     p = out.sequences.shape[1] - out.response_ids.shape[1]
     roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
                          scores, sampler_logp=out.logprobs, response_mask=out.response_mask)
+    if cfg.correction.bypass:  # the sampler's log-probs are old_logp (π_prox = μ): the clip bounds π_θ/μ
+        roll = roll._replace(old_logp=out.logprobs)
     scored = None if reward.is_jax else reward.scored(scores)  # only a host reward leaves rows unscored
     processed, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg,
                                       scored=scored)
@@ -281,13 +283,17 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     beta = state.kl_ctl.beta
     adv = compute_advantages(processed, roll.old_logp, roll.ref_logp, roll.values, mask, beta, cfg)
     metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg, scored=scored)
+    is_weights = None
+    if not cfg.correction.bypass:  # π_prox = the learner's recomputed old_logp against μ = the sampler
+        is_weights, is_metrics = offpolicy.correction(cfg.correction, roll.old_logp, roll.sampler_logp, mask)
+        metrics.update(is_metrics)
     n_rows = out.sequences.shape[0]
     if scored is not None:
         metrics["reward/dropped"] = jnp.sum(~scored)
         n_rows = jnp.sum(scored)
     batch = Batch(sequences=roll.sequences, attention_mask=roll.attention_mask, response_mask=mask,
                   old_logp=roll.old_logp, old_values=roll.values, advantages=adv.advantages, returns=adv.returns,
-                  ref_logp=roll.ref_logp if cfg.kl_in == "loss" else None)
+                  ref_logp=roll.ref_logp if cfg.kl_in == "loss" else None, is_weights=is_weights)
     kl_ctl = kl_controller.update(state.kl_ctl, metrics["kl/seq"], n_rows, cfg=cfg.kl_config)
     metrics["beta_next"] = kl_ctl.beta
     finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()]))

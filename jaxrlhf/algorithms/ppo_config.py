@@ -12,6 +12,7 @@ import jax
 
 from jaxrlhf import ops
 from jaxrlhf.algorithms import kl_controller, kl_terms
+from jaxrlhf.algorithms.offpolicy import CorrectionConfig
 from jaxrlhf.algorithms.common import TrainState
 from jaxrlhf.algorithms.experience import SamplingConfig
 from jaxrlhf.algorithms.scoring import RunningMoments
@@ -62,6 +63,11 @@ class PPOConfig:
     clip_low: float = option(0.2, "ε_low of the clipped ratio", above=0)
     clip_high: float | None = option(None, "ε_high of the clipped ratio; None: clip_low", above=0)
     dual_clip: float | None = option(None, "c > 1 bounds the loss of negative-advantage tokens; None: off", above=1)
+    correction: CorrectionConfig = option(doc="the off-policy correction for samples drawn by another policy than "
+                                          "the proximal one (the rollout actor's recomputed old_logp; rollout "
+                                          "ahead of learning, `runs.pipeline`): importance weights on the policy "
+                                          "loss, or the sampler's log-probs as old_logp (`algorithms.offpolicy`)",
+                                          factory=CorrectionConfig)
     vf_clip: float | None = option(0.2, "ε_v of the clipped value loss; None: no clipping", above=0)
     vf_coef: float = option(0.1, "c_v, the value loss's weight", min=0)
     entropy_coef: float = option(0.0, "c_ent of the entropy bonus − c_ent·agg(entropy)", min=0)

@@ -30,6 +30,9 @@ def ppo_loss(
         loss = policy_loss(logp, old_logp, A) + vf_coef·value_loss(V, V_old, R) − entropy_coef·agg(H)
                [+ β·agg(kl(logp, ref_logp))   with cfg.kl_in == "loss", `kl_terms.loss_term`]
 
+    the policy loss's tokens weighted by `batch.is_weights` when the batch has them (the
+    off-policy correction, `offpolicy.correction`).
+
     params: `{"actor": ..., "critic": ... or None}` (None when the trunk is shared).
     batch: a `Batch` of `n` rows: sequences, attention_mask `[n, P+T]`; response_mask,
       old_logp, old_values, advantages, returns `[n, T]`; ref_logp `[n, T]` with
@@ -48,7 +51,8 @@ def ppo_loss(
         _, values = response_hidden(critic_model, on_actor(params["actor"], params["critic"]), seq, attn, prompt_len,
                                     dropout_rng=critic_dropout_rng)
     pg, pm = ops.policy_loss(logp, batch.old_logp, batch.advantages, mask, clip_low=cfg.clip_low,
-                             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len)
+                             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm_len=cfg.norm_len,
+                             is_weights=batch.is_weights)
     vl, vm = ops.value_loss(values.astype(jnp.float32), batch.old_values, batch.returns, mask,
                             clip=cfg.vf_clip, agg=cfg.agg, norm_len=cfg.norm_len)
     entropy = ops.aggregate(ent, mask, mode=cfg.agg, norm_len=cfg.norm_len)

@@ -63,6 +63,8 @@ class Batch(NamedTuple):
     returns: `[N, T]` float32, the critic's targets (`Advantages.returns`).
     ref_logp: `[N, T]` the reference's log-probs with `kl_in="loss"` (the loss's KL term);
       None with `kl_in="reward"`, where the KL is already in the advantages.
+    is_weights: `[N, T]` the off-policy correction's importance weights of `old_logp`
+      against the sampler's (`offpolicy.correction`), or None (`correction.mode="none"`).
     """
 
     sequences: jax.Array
@@ -73,6 +75,7 @@ class Batch(NamedTuple):
     advantages: jax.Array
     returns: jax.Array
     ref_logp: jax.Array | None = None
+    is_weights: jax.Array | None = None
 
 
 def reference_params(state: PPOState) -> Any:

@@ -187,10 +187,10 @@ def opd_phase(cfg, train, *, model, params, task, workdir, writer, rng, placemen
     teacher_args = () if own_base else (placement.place(t_params, t_sh),)
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), *teacher_args,
                                            params_shardings=p_sh, roles=None if own_base else {"teacher_params": t_sh})
-    step = phases.rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward, train,
-                          placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
-                          drop_unscored=True,
-                          completions=phases.completions_sink(train, writer, "opd", lambda s: s.reward_params))
+    step, batches = phases.rl_step(opd.split(model, teacher, tx, gcfg, ocfg, reward, schedule=schedule), reward,
+                                   train, placement, state_sh, keys, cfg.prompts_per_step, gcfg.sampling, task=task,
+                                   drop_unscored=True, ahead=(phases.pipeline_section(cfg, "opd"), batches, rng),
+                                   completions=phases.completions_sink(train, writer, "opd", lambda s: s.reward_params))
     state, last = run_phase(
         phases.phase_config("opd", cfg, train, show=("distill/reverse_kl", "reward/mean", "eval/accuracy",
                                                timing.TOKENS_PER_S)),

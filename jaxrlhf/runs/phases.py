@@ -233,7 +233,7 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
                                               reward_params=rp)
     state, state_sh = placement.init_state(make, *args, params_shardings=p_sh, roles=roles)
     # The task pads every prompt to one length already: no buckets.
-    ahead = (options.build(pipeline.PipelineSection, cfg.get("pipeline", {}), "grpo.pipeline."), batches, rng)
+    ahead = (pipeline_section(cfg, "grpo"), batches, rng)
     step, batches = rl_step(grpo.split(model, tx, gcfg, reward, schedule=schedule), reward, train, placement,
                             state_sh, keys, pool, gcfg.sampling, task=task, drop_unscored=True, ahead=ahead,
                             completions=completions_sink(train, writer, "grpo", lambda s: s.reward_params,
@@ -246,6 +246,11 @@ def grpo_phase(cfg, train, *, model, params, task: Task, workdir, writer, rng, p
         rng=rng, writer=writer, monitor=monitor, eval_fn=(lambda s: eval_fn(s.policy.params)) if eval_fn else None,
         should_stop=should_stop, **stopping_options(early_stop, "policy"))
     return state.policy.params, last
+
+
+def pipeline_section(cfg, phase: str) -> pipeline.PipelineSection:
+    """The `<phase>.pipeline` section of an RL phase (rollout ahead of learning)."""
+    return options.build(pipeline.PipelineSection, cfg.get("pipeline", {}), f"{phase}.pipeline.")
 
 
 def completions_sink(train, writer, phase: str, params_of, *, with_advantage: bool = True):
@@ -508,20 +513,20 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
                       ensemble_reduce=ensemble_reduce)
     pcfg, reward, keys, parts, state, state_sh = (built.cfg, built.reward, built.keys, built.parts, built.state,
                                                   built.state_sh)
-    step = rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys, cfg.prompts_per_step,
-                   pcfg.sampling, task=task, drop_unscored=True,
-                   completions=completions_sink(train, writer, "ppo",
-                                                lambda s: on_actor(s.actor.params, s.reward_params)))
+    batches = array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
+                            cfg.seed, placement, "ppo.prompts_per_step")
+    step, batches = rl_step(parts, scoring.compiled_reward(reward)[0], train, placement, state_sh, keys,
+                            cfg.prompts_per_step, pcfg.sampling, task=task, drop_unscored=True,
+                            ahead=(pipeline_section(cfg, "ppo"), batches, rng),
+                            completions=completions_sink(train, writer, "ppo",
+                                                         lambda s: on_actor(s.actor.params, s.reward_params)))
 
     def evaluate(state):
         return eval_fn(state.actor.params) if eval_fn else {}
 
     state, last = run_phase(
         phase_config("ppo", cfg, train, show=("reward/mean", "kl/k1", "eval/accuracy", timing.TOKENS_PER_S)),
-        workdir=workdir, state=state, step_fn=step,
-        batches=array_batches({k: task.prompts[k] for k in ("prompt_ids", "prompt_mask", *keys)}, cfg.prompts_per_step,
-                              cfg.seed, placement, "ppo.prompts_per_step"),
-        rng=rng, writer=writer,
+        workdir=workdir, state=state, step_fn=step, batches=batches, rng=rng, writer=writer,
         monitor=health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target),
         eval_fn=evaluate,
         should_stop=should_stop, **stopping_options(early_stop, "actor"))
@@ -531,5 +536,5 @@ def ppo_phase(cfg, train, *, model, params, reward_model_and_params=None, task: 
     return params, last
 
 
-__all__ = ["PPOSetup", "grpo_phase", "update_phase", "health_monitor", "optimizer", "ppo_phase", "ppo_setup",
+__all__ = ["PPOSetup", "grpo_phase", "update_phase", "health_monitor", "optimizer", "pipeline_section", "ppo_phase", "ppo_setup",
            "sampling", "library_config", "sft_phase", "with_reward_model"]

@@ -345,7 +345,8 @@ def pipelined(programs: RLPrograms, section: PipelineSection, prompts, rng: jax.
             # before the learner's programs, and the update before the next rollout, so that
             # no two programs share the cores (XLA:CPU would run them side by side, each
             # slower); what overlaps is the host work on the worker thread.
-            jax.block_until_ready(pipe.last_dispatched["out"])
+            if pipe.last_dispatched is not None:  # (none yet when a resume's batches all came from the checkpoint)
+                jax.block_until_ready(pipe.last_dispatched["out"])
             prepared, m_score = score(state, sample["out"], sample["extras"], sample["host"], rng)
             state, m_train = jax.block_until_ready(p.update(state, prepared, rng))
             pipe.publish(state)

@@ -74,6 +74,8 @@ class PPORun:
     optim: OptimConfig = option(doc="the actor's optimizer (epochs × minibatches steps per iteration)",
                                 factory=OptimConfig)
     critic_optim: OptimConfig = option(doc="the separate critic's optimizer", factory=OptimConfig)
+    pipeline: PipelineSection = option(doc="rollout ahead of learning: the staleness bound and the schedule "
+                                       "(`runs.pipeline`)", factory=PipelineSection)
     critic_path: str | None = option(None, "a local Hugging Face checkpoint folder the separate critic starts from "
                                      "(any size; its tokenizer must be the policy's): a *ForSequenceClassification "
                                      "folder keeps its score head, a causal LM gets a fresh one; None: a copy of the "
@@ -123,6 +125,8 @@ class OPDRun:
     seed: int = _seed()
     optim: OptimConfig = option(doc="the optimizer (its schedule counts optimizer steps: μ × minibatches per "
                                 "iteration)", factory=OptimConfig)
+    pipeline: PipelineSection = option(doc="rollout ahead of learning: the staleness bound and the schedule "
+                                       "(`runs.pipeline`)", factory=PipelineSection)
     teacher_path: str = option("", "the teacher (required): a local Hugging Face causal-LM folder of any size, e.g. "
                                "an earlier run's workdir/export; it must share the student's tokenizer (vocabulary "
                                "sizes may differ by padding), frozen; or 'base': a LoRA student's own base "

@@ -204,16 +204,19 @@ def test_process_scores_eos_penalty_whitening_clipping():
 # Loss, shaping and GAE against ops composed by hand
 
 
-def test_loss_and_gradient_equal_hand_composed_ops(params):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_and_gradient_equal_hand_composed_ops(params, weighted):
+    """Also with the off-policy correction's importance weights on the policy loss."""
     cfg = ppo.PPOConfig(sampling=SamplingConfig(max_new_tokens=T, temperature=0.8), entropy_coef=0.01, vf_coef=0.1,
                         vf_clip=0.2, agg="seq-mean-token-mean")
     seq, attn, mask = _rollout_batch(1)
     rng = np.random.default_rng(2)
+    weights = jnp.asarray(rng.uniform(0, 2, (8, T)), jnp.float32) * mask if weighted else None
     batch = ppo.Batch(sequences=seq, attention_mask=attn, response_mask=mask,
                       old_logp=jnp.asarray(rng.normal(-3.2, 0.2, (8, T)), jnp.float32),
                       old_values=jnp.asarray(rng.normal(0, 0.3, (8, T)), jnp.float32),
                       advantages=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32),
-                      returns=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32))
+                      returns=jnp.asarray(rng.normal(0, 1, (8, T)), jnp.float32), is_weights=weights)
     p = {"actor": params["actor"], "critic": params["critic"]}
 
     def ours(p):
@@ -223,7 +226,7 @@ def test_loss_and_gradient_equal_hand_composed_ops(params):
         logp, ent, _ = _full_forward_logp(ACTOR, p["actor"], seq, attn, tau=0.8)
         values = CRITIC.apply({"params": p["critic"]}, seq, attn).values[:, P - 1:-1]
         pg, _ = ops.policy_loss(logp, batch.old_logp, batch.advantages, mask, clip_low=0.2,
-                                agg="seq-mean-token-mean")
+                                agg="seq-mean-token-mean", is_weights=weights)
         vl, _ = ops.value_loss(values, batch.old_values, batch.returns, mask, clip=0.2,
                                agg="seq-mean-token-mean")
         return pg + 0.1 * vl - 0.01 * ops.aggregate(ent, mask, mode="seq-mean-token-mean")

@@ -1,7 +1,7 @@
-"""The GRPO phase with rollout ahead of learning (`grpo.pipeline`), end to end on the tiny
-built-in recipe: at zero staleness the pipeline is the synchronous loop bit for bit;
+"""RL phases with rollout ahead of learning (`<phase>.pipeline`), end to end on the tiny
+built-in recipes: at zero staleness the pipeline is the synchronous loop bit for bit;
 the deterministic schedule samples batch k with version max(0, k − s) and resumes to the
-metrics of an uninterrupted run."""
+metrics of an uninterrupted run, GRPO's and PPO's (critic and all)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from jaxrlhf.runs import train_and_evaluate  # noqa: E402
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def _config(steps=4, **pipeline):
-    spec = importlib.util.spec_from_file_location("addition_grpo", CONFIGS / "addition_grpo.py")
+def _config(steps=4, name="addition_grpo", phase="grpo", **pipeline):
+    spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config("tiny")
-    c.grpo.update(steps=steps)
-    c.grpo.pipeline.update(**pipeline)
+    c[phase].update(steps=steps)
+    c[phase].pipeline.update(**pipeline)
     c.train.update(eval_every=0, checkpoint_every=2, show_samples=0)  # 0: no samples printed (it once crashed)
     return c
 
@@ -38,8 +38,8 @@ def _rows(workdir, drop=("/time/", "/pipeline/")):
     return [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in rows]
 
 
-def _grpo(rows):
-    return [r for r in rows if any(k.startswith("grpo/") for k in r)]
+def _grpo(rows, phase="grpo"):
+    return [r for r in rows if any(k.startswith(f"{phase}/") for k in r)]
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +104,21 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_metrics(ahead, tmp_path
         train_and_evaluate(config, lost)
     versions = [r["grpo/pipeline/version"] for r in _grpo(_rows(lost, drop=()))]
     assert versions == [0.0, 0.0, 2.0, 2.0]
+
+
+def test_ppo_one_version_ahead_with_its_critic_resumes_exactly(tmp_path, cache):
+    """PPO (actor, critic, reference) one version ahead with the correction: batch k is
+    sampled with version max(0, k − 1), its advantages use the learner's critic, and a run
+    interrupted after step 2 resumes to the uninterrupted metrics."""
+    c = _config(name="addition_ppo_rule", phase="ppo", max_staleness=1)
+    c.ppo.correction.mode = "tis"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    with persistent_compile_cache(cache):
+        train_and_evaluate(c, full)
+        shutil.copytree(full, resumed)
+        shutil.rmtree(resumed / "ppo" / "4")
+        train_and_evaluate(c, resumed)
+    rows = _grpo(_rows(full, drop=()), "ppo")
+    assert [r["ppo/pipeline/version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert rows[0]["ppo/mismatch_kl"] < 1e-6 < rows[2]["ppo/mismatch_kl"] and "ppo/value_loss" in rows[2]
+    assert _rows(resumed, drop=("/time/", "wait_s")) == _rows(full, drop=("/time/", "wait_s"))
