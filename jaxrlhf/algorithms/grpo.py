@@ -129,6 +129,9 @@ class Batch(NamedTuple):
     guide_ids, guide_mask: `[N, R]` the reference completion of each row's prompt and its
       mask, on only the first row of each failed group (`guide.guide_rows`); None without
       `guide_coef`.
+    behaviour_logp: `[N, T]` the log-probs of the distribution the sampler drew from, when
+      that is not softmax(logits/τ) (top-k / top-p, `SampleOutput.behaviour_logprobs`);
+      None: `sampler_logp` is the behaviour policy's.
     """
 
     sequences: jax.Array
@@ -141,6 +144,7 @@ class Batch(NamedTuple):
     kl_N: jax.Array | None = None
     guide_ids: jax.Array | None = None
     guide_mask: jax.Array | None = None
+    behaviour_logp: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- advantages
@@ -257,7 +261,8 @@ def loss_fn(
     old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
     is_weights, is_metrics = None, {}
     if batch.sampler_logp is not None and not cfg.correction.bypass:  # π_prox = old_logp against μ = the sampler
-        is_weights, is_metrics = offpolicy.correction(cfg.correction, old_logp, batch.sampler_logp, mask)
+        behaviour = batch.sampler_logp if batch.behaviour_logp is None else batch.behaviour_logp
+        is_weights, is_metrics = offpolicy.correction(cfg.correction, old_logp, behaviour, mask)
     ratio_logp = importance_logp(logp, old_logp, mask, level=cfg.ratio_level)
     pg_loss, pg = policy_term(ratio_logp, old_logp, batch.advantages, mask, cfg, is_weights)
     loss = pg_loss
@@ -419,8 +424,8 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
     p = out.sequences.shape[1] - mask.shape[1]
     forward = functools.partial(score_responses, model, sequences=out.sequences, attention_mask=out.attention_mask,
                                 prompt_len=p, temperature=cfg.sampling.temperature, group_size=cfg.prompt_group(n))
-    if cfg.correction.bypass:  # the sampler's log-probs are old_logp: no proximal forward pass
-        old_logp = out.logprobs
+    if cfg.correction.bypass:  # the sampler's (behaviour) log-probs are old_logp: no proximal forward pass
+        old_logp = out.behaviour
     else:
         old_logp = None if cfg.reuses_rollout_logp else forward(state.policy.params)
     ref_logp = forward(reference_params(state)) if cfg.uses_reference else None
@@ -457,7 +462,7 @@ def score(state: GRPOState, out: SampleOutput, extras, host_scores: dict, rng, *
         metrics.update({"guide/failed_fraction": jnp.mean(failed_K.astype(jnp.float32)),
                         "guide/tokens": jnp.sum(guide_mask)})
     return Batch(out.sequences, out.attention_mask, mask, adv, old_logp, ref_logp, out.logprobs, kl_N, guide_ids,
-                 guide_mask), metrics
+                 guide_mask, out.behaviour_logprobs), metrics
 
 
 def train(state: GRPOState, batch: Batch, rng, *, model: Transformer, tx: optax.GradientTransformation,

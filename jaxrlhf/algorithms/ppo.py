@@ -274,8 +274,8 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     p = out.sequences.shape[1] - out.response_ids.shape[1]
     roll = score_rollout(actor_model, critic_model, reward, state, out.sequences, out.attention_mask, p, cfg,
                          scores, sampler_logp=out.logprobs, response_mask=out.response_mask)
-    if cfg.correction.bypass:  # the sampler's log-probs are old_logp (π_prox = μ): the clip bounds π_θ/μ
-        roll = roll._replace(old_logp=out.logprobs)
+    if cfg.correction.bypass:  # the sampler's (behaviour) log-probs are old_logp (π_prox = μ): the clip bounds π_θ/μ
+        roll = roll._replace(old_logp=out.behaviour)
     scored = None if reward.is_jax else reward.scored(scores)  # only a host reward leaves rows unscored
     processed, stats = process_scores(roll.scores, roll.response_ids, roll.response_mask, state.reward_stats, cfg,
                                       scored=scored)
@@ -285,7 +285,7 @@ def score(state: PPOState, out: SampleOutput, extras, host_scores: dict, rng, *,
     metrics = rollout_metrics(roll, adv, roll.scores, processed, beta, cfg, scored=scored)
     is_weights = None
     if not cfg.correction.bypass:  # π_prox = the learner's recomputed old_logp against μ = the sampler
-        is_weights, is_metrics = offpolicy.correction(cfg.correction, roll.old_logp, roll.sampler_logp, mask)
+        is_weights, is_metrics = offpolicy.correction(cfg.correction, roll.old_logp, out.behaviour, mask)
         metrics.update(is_metrics)
     n_rows = out.sequences.shape[0]
     if scored is not None:

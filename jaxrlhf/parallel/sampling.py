@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.rules import DEFAULT_RULES, Rules, batch_spec, get_rules
-from jaxrlhf.rollout.sampler import SampleOutput, _check, sample
+from jaxrlhf.rollout.sampler import SampleOutput, _check, sample, tracks_behaviour
 
 
 @functools.lru_cache(maxsize=32)
@@ -19,7 +19,10 @@ def _compiled(model, mesh, rules, params_treedef_and_shardings, rows, static):
     row = lambda nd: NamedSharding(mesh, batch_spec(nd, mesh, rules, rows=rows, where="prompts"))
     n = rows * dict(static)["num_samples"]
     out_row = lambda nd: NamedSharding(mesh, batch_spec(nd, mesh, rules, rows=n, where="samples"))
-    out_sh = SampleOutput(*(out_row(2),) * 7, out_row(1))
+    st = dict(static)
+    tracked = tracks_behaviour(st.get("temperature", 1.0), st.get("top_k", 0), st.get("top_p", 1.0),
+                               st.get("eos_id") if st.get("min_new_tokens", 0) > 0 else None)
+    out_sh = SampleOutput(*(out_row(2),) * 7, out_row(1), out_row(2) if tracked else None)
     return jax.jit(functools.partial(sample, model, **dict(static)),
                    in_shardings=(p_sh, row(2), row(2), NamedSharding(mesh, P())), out_shardings=out_sh)
 

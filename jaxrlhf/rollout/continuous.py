@@ -126,9 +126,9 @@ def sample_continuous(
 
     # Token 0 of every row, from its prompt's logits.
     rows_N = jnp.arange(n)
-    first_tok, first_logp = _pick(jnp.repeat(last_logits, g, axis=0) if g > 1 else last_logits,
-                                  noise(rows_N, jnp.zeros((n,), jnp.int32)), temperature, top_k, top_p, banned,
-                                  ban_eos)
+    first_tok, first_logp, first_blogp = _pick(jnp.repeat(last_logits, g, axis=0) if g > 1 else last_logits,
+                                               noise(rows_N, jnp.zeros((n,), jnp.int32)), temperature, top_k, top_p,
+                                               banned, ban_eos)
     ended = is_stop(first_tok, eos_id) | (t_max == 1)
     # The queue: the rows still going after token 0, in order.
     queue = jnp.argsort(ended, stable=True).astype(jnp.int32)
@@ -155,6 +155,8 @@ def sample_continuous(
         logps=jnp.zeros((n, t_max), jnp.float32).at[:, 0].set(first_logp),
         valid=jnp.zeros((n, t_max), bool).at[:, 0].set(True),
     )
+    if first_blogp is not None:  # sampling draws from a truncated distribution: its log-probs too
+        state["blogps"] = jnp.zeros((n, t_max), jnp.float32).at[:, 0].set(first_blogp)
     state = refill(state, jnp.ones((num_slots,), bool))
     response_T = jnp.arange(t_max)
 
@@ -165,13 +167,15 @@ def sample_continuous(
         key_valid = jnp.concatenate([prompt_mask[b_S], response_T[None, :] < t_S[:, None]], axis=1)
         out = apply(state["token"][:, None], key_valid, position_ids=(prompt_len_B[b_S] + t_S - 1)[:, None],
                     cache=state["cache"], cache_index=p + t_S - 1, compute_logits=head_VxD is None)
-        token, logp = _pick(_step_logits(model, head_VxD, out), noise(jnp.minimum(row_S, n - 1), t_S), temperature, top_k, top_p,
-                            banned, ban_eos and (t_S < min_new_tokens)[:, None])
+        token, logp, blogp = _pick(_step_logits(model, head_VxD, out), noise(jnp.minimum(row_S, n - 1), t_S),
+                                   temperature, top_k, top_p, banned, ban_eos and (t_S < min_new_tokens)[:, None])
         at = lambda x, val: x.at[row_S, t_S].set(val, mode="drop")  # idle slots (row n) write nothing
         done = is_stop(token, eos_id) | (t_S + 1 == t_max)
         next_t = jnp.where(row_S < n, t_S + 1, t_S)  # an idle slot stays put (its cache index in range)
         state = dict(state, cache=out.cache, t=next_t, token=token, tokens=at(state["tokens"], token),
                      logps=at(state["logps"], logp), valid=at(state["valid"], True))
+        if blogp is not None:
+            state["blogps"] = at(state["blogps"], blogp)
         return refill(state, done | (row_S == n))
 
     state = jax.lax.while_loop(lambda state: jnp.any(state["row"] < n), body, state)
@@ -187,6 +191,7 @@ def sample_continuous(
         sequences=jnp.concatenate([prompt_ids, state["tokens"]], axis=1),
         attention_mask=jnp.concatenate([prompt_mask, response_mask], axis=1),
         lengths=response_mask.sum(axis=1).astype(jnp.int32),
+        behaviour_logprobs=state.get("blogps"),
     )
 
 

@@ -109,7 +109,7 @@ def _decode_turn(model: Transformer, params, state: dict, keys_N, prompt_mask, p
     def body(st):
         active, pos = st["active"], st["pos"]
         noise = None if keys_N is None else _step_noise(keys_N, st["drawn"], model.config.vocab_size)
-        token, logp = _pick(st["logits"], noise, temperature, top_k, top_p)
+        token, logp, _ = _pick(st["logits"], noise, temperature, top_k, top_p)  # (behaviour: not tracked)
         at = jnp.where(active, pos, r)  # idle rows write nothing (index r is dropped)
         put = lambda buf, v: buf.at[rows, at].set(v, mode="drop")
         new_pos = pos + active

@@ -11,7 +11,11 @@ Log-probabilities returned with the tokens are those of `softmax(logits / τ)` o
 `ops.token_logprobs(logits, tokens, temperature=τ)` computes in the trainer, so that the
 first PPO ratio is 1 up to float rounding. (Truncation changes which tokens can be drawn,
 not the density the trainer's ratios and KL are measured against.) With `temperature=0`
-decoding is greedy and the log-probs are those of `softmax(logits)`.
+decoding is greedy and the log-probs are those of `softmax(logits)`. When sampling draws
+from another distribution than `softmax(logits / τ)` — top-k or top-p truncation, or EOS
+banned before `min_new_tokens` — `behaviour_logprobs` holds each token's log-prob under
+the distribution it was actually drawn from (the truncated one, renormalised): the
+behaviour policy μ of the off-policy correction (`algorithms.offpolicy`).
 
 Row r samples step t with the noise of `fold_in(fold_in(rng, r), t)`, so a row's
 tokens depend on its prompt, its index and the key, never on the other rows: a batch split
@@ -45,6 +49,10 @@ class SampleOutput(NamedTuple):
     sequences, attention_mask: `[N, P + T]`, prompt ⧺ response, what the scoring forward
       passes take.
     lengths: `[N]` int32 number of valid response tokens.
+    behaviour_logprobs: `[N, T]` float32 log-prob of each response token under the
+      distribution it was drawn from (after top-k / top-p truncation and an EOS ban,
+      renormalised; 0 on padding), or None when that is softmax(logits/τ) itself (no
+      truncation, no ban) or decoding is greedy: `logprobs` are then the behaviour's.
     """
 
     prompt_ids: jax.Array
@@ -55,6 +63,16 @@ class SampleOutput(NamedTuple):
     sequences: jax.Array
     attention_mask: jax.Array
     lengths: jax.Array
+    behaviour_logprobs: jax.Array | None = None
+
+    @property
+    def behaviour(self) -> jax.Array:
+        """The behaviour policy's log-probs: `behaviour_logprobs`, else `logprobs`."""
+        return self.logprobs if self.behaviour_logprobs is None else self.behaviour_logprobs
+
+    def arrays(self) -> dict:
+        """The fields that hold arrays (`behaviour_logprobs` left out when None), by name."""
+        return {k: v for k, v in self._asdict().items() if v is not None}
 
 
 def stop_ids(eos_id) -> tuple[int, ...]:
@@ -160,15 +178,23 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)  # a row with a NaN matches nothing: keep the id valid
 
 
+def tracks_behaviour(temperature: float, top_k: int, top_p: float, banned=None) -> bool:
+    """Whether sampling draws from another distribution than softmax(logits/τ), so that
+    the behaviour log-probs differ from the sampler's `logprobs` (`_pick`'s third output)."""
+    return temperature > 0 and (bool(top_k) or top_p < 1.0 or banned is not None)
+
+
 @jax.named_scope("pick")  # its ops' name in a profile (`benchmarks/profile_decode.py`)
 def _pick(logits_BxV, noise_BxM, temperature, top_k, top_p, banned=None, ban=False):
-    """(token [B], log-prob of it under softmax(logits/τ) [B]).
+    """(token [B], log-prob of it under softmax(logits/τ) [B], its behaviour log-prob [B]
+    or None).
 
     Sampling draws from softmax(truncated logits / τ) by a two-level Gumbel-max with the
     row's `noise_BxM` (`_draw`, `_step_noise`); greedy (`temperature=0`) takes the first
     argmax. Where `ban` (a bool, may be traced) holds, the tokens `stop_ids(banned)` cannot
     be drawn; like top-k/top-p truncation this changes which tokens are drawn, not the
-    log-probs.
+    log-probs. The behaviour log-prob is the token's under the distribution it was drawn
+    from, `log_softmax(truncated logits / τ)` (`tracks_behaviour`; else None).
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
     if temperature > 0:
@@ -177,11 +203,15 @@ def _pick(logits_BxV, noise_BxM, temperature, top_k, top_p, banned=None, ban=Fal
     if banned is not None:
         banned_V = ban & is_stop(jnp.arange(logits_BxV.shape[-1]), banned)
         logits_BxV = jnp.where(banned_V, jnp.finfo(jnp.float32).min, logits_BxV)
+    behaviour = None
     if temperature == 0:
         token = _argmax(logits_BxV)
     else:
-        token = _draw(truncate_logits(logits_BxV, top_k=top_k, top_p=top_p), noise_BxM)
-    return token.astype(jnp.int32), jnp.take_along_axis(logp_BxV, token[:, None], axis=-1)[:, 0]
+        drawn_BxV = truncate_logits(logits_BxV, top_k=top_k, top_p=top_p)
+        token = _draw(drawn_BxV, noise_BxM)
+        if tracks_behaviour(temperature, top_k, top_p, banned):
+            behaviour = jnp.take_along_axis(jax.nn.log_softmax(drawn_BxV, axis=-1), token[:, None], axis=-1)[:, 0]
+    return token.astype(jnp.int32), jnp.take_along_axis(logp_BxV, token[:, None], axis=-1)[:, 0], behaviour
 
 
 _DRAW_BLOCK = 256
@@ -330,16 +360,19 @@ def sample(
         tokens, logps, done = state["tokens"], state["logps"], state["done"]
         # Response token t is the (t+1)-th: EOS cannot be drawn before min_new_tokens of them.
         ban_eos = min_new_tokens > 0 and eos_id is not None
-        token, logp = _pick(logits, noise_N, temperature, top_k, top_p, eos_id if ban_eos else None,
-                            ban_eos and (t < min_new_tokens))
+        token, logp, blogp = _pick(logits, noise_N, temperature, top_k, top_p, eos_id if ban_eos else None,
+                                   ban_eos and (t < min_new_tokens))
         token = jnp.where(done, pad_id, token)
         logp = jnp.where(done, 0.0, logp)
         new_done = done | is_stop(token, eos_id)
-        return dict(state,
-                    tokens=jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t)),
-                    logps=jax.lax.dynamic_update_slice(logps, logp[:, None], (0, t)),
-                    valid=jax.lax.dynamic_update_slice(state["valid"], (~done)[:, None], (0, t)),
-                    done=new_done)
+        out = dict(state,
+                   tokens=jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t)),
+                   logps=jax.lax.dynamic_update_slice(logps, logp[:, None], (0, t)),
+                   valid=jax.lax.dynamic_update_slice(state["valid"], (~done)[:, None], (0, t)),
+                   done=new_done)
+        if blogp is not None:
+            out["blogps"] = jax.lax.dynamic_update_slice(state["blogps"], jnp.where(done, 0.0, blogp)[:, None], (0, t))
+        return out
 
     state = dict(
         tokens=jnp.full((n, t_max), pad_id, jnp.int32),
@@ -349,6 +382,8 @@ def sample(
         cache=cache,
         t=jnp.int32(0),
     )
+    if tracks_behaviour(temperature, top_k, top_p, eos_id if min_new_tokens > 0 and eos_id is not None else None):
+        state["blogps"] = jnp.zeros((n, t_max), jnp.float32)
     state = emit(state, last_logits, 0)
 
     def segment(state, end):  # the steps t < end, over the first w = P + end cache slots
@@ -385,6 +420,7 @@ def sample(
         sequences=sequences,
         attention_mask=jnp.concatenate([prompt_mask, response_mask], axis=1),
         lengths=response_mask.sum(axis=1).astype(jnp.int32),
+        behaviour_logprobs=state.get("blogps"),
     )
 
 

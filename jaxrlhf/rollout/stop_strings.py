@@ -70,6 +70,8 @@ def cut(out: SampleOutput, tokenizer: Any, stop_strings: Sequence[str], *, pad_i
     return out._replace(
         response_ids=response_ids, response_mask=keep.astype(np.asarray(out.response_mask).dtype),
         logprobs=np.where(keep, np.asarray(out.logprobs), 0).astype(np.asarray(out.logprobs).dtype),
+        behaviour_logprobs=None if out.behaviour_logprobs is None else np.where(
+            keep, np.asarray(out.behaviour_logprobs), 0).astype(np.float32),
         sequences=sequences, attention_mask=attention_mask,
         lengths=keep.sum(axis=1).astype(np.asarray(out.lengths).dtype))
 

@@ -93,7 +93,7 @@ def _correct(out: engine.EpisodeOutput, envs: list) -> np.ndarray:
 
 def _head(out: engine.EpisodeOutput, k: int) -> engine.EpisodeOutput:
     """The first `k` episodes of `out` (host arrays)."""
-    return engine.EpisodeOutput(sample=SampleOutput(*(np.asarray(x)[:k] for x in out.sample)),
+    return engine.EpisodeOutput(sample=SampleOutput(*(None if x is None else np.asarray(x)[:k] for x in out.sample)),
                                 env_mask=out.env_mask[:k], rewards=out.rewards[:k], turns=out.turns[:k],
                                 cut=out.cut[:k], prefill_tokens=out.prefill_tokens[:k],
                                 stats={name: v[:k] for name, v in out.stats.items()})

@@ -59,7 +59,7 @@ def _make_scorer(task: Task, placement):
             arrays = placement.put_rows(pad_rows(arrays, out.response_ids.shape[0]))
         n = rows * repeat
         if task.stop_strings:  # every process holds every row (`out` is replicated): each cuts them all
-            out = SampleOutput(**placement.put_rows(task.cut(placement.fetch(out))._asdict()))
+            out = SampleOutput(**placement.put_rows(task.cut(placement.fetch(out)).arrays()))
         parts = {k: np.asarray(v)[:n] for k, v in placement.fetch(device_scores(out, arrays)).items()}
         out = jax.tree.map(lambda x: x[:n], placement.fetch(out))
         if not task.reward.is_jax:

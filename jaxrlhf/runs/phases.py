@@ -329,7 +329,7 @@ def rl_step(parts: timing.Split, reward: rewards_lib.Reward, train, placement: P
     def cut(out):
         """This process's responses cut at the task's stop strings, as global arrays again."""
         mine = task.cut(SampleOutput(*jax.tree.map(placement.local_rows, tuple(out))))
-        return SampleOutput(**placement.global_batch(mine._asdict(), rows * sampling.num_samples))
+        return SampleOutput(**placement.global_batch(mine.arrays(), rows * sampling.num_samples))
 
     rollout, score = rows_out("rollout", parts.rollout), rows_out("score", parts.score)
     every, sink, params_of, with_advantage = completions or (0, None, None, False)

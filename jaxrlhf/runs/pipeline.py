@@ -320,7 +320,7 @@ def pipelined(programs: RLPrograms, section: PipelineSection, prompts, rng: jax.
         return np.asarray(p.placement.local_rows(x))
 
     def arrays(sample):
-        out = {f"out.{k}": local_rows(v) for k, v in sample["out"]._asdict().items()}
+        out = {f"out.{k}": local_rows(v) for k, v in sample["out"].arrays().items()}
         out.update({f"host.{k}": local_rows(v) for k, v in sample["host"].items()})
         return {**out, "tokens": np.asarray(jax.device_get(sample["tokens"].addressable_data(0))),
                 "host_s": np.float64(sample["host_s"])}

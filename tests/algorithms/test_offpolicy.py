@@ -101,6 +101,23 @@ def test_mode_none_is_the_unweighted_loss_bit_for_bit():
     assert "mismatch_kl" in metrics and "mismatch_kl" not in m0 and float(metrics["is_weight_mean"]) == 1.0
 
 
+def test_the_weights_use_the_truncated_behaviour_log_probs_when_the_sampler_has_them():
+    """With top-k / top-p the sampler drew from a renormalised distribution: its
+    `behaviour_logp` (not the untruncated `sampler_logp`) is μ; `logp_mismatch` still
+    compares the untruncated ones with the trainer's."""
+    batch = _batch()
+    behaviour = batch.sampler_logp + 0.3  # truncation renormalises: higher log-probs
+    cfg = _cfg(correction=CorrectionConfig(mode="tis", cap=1.3))
+    loss, metrics = grpo.loss_fn(PARAMS, batch._replace(behaviour_logp=behaviour), cfg, model=MODEL)
+    logp = score_responses(MODEL, PARAMS, batch.sequences, batch.attention_mask, P, temperature=TAU)
+    want, _ = _reference_loss(logp, batch.old_logp, behaviour, batch.advantages, batch.response_mask, mode="tis",
+                              level="token", cap=1.3, low=0.5, high=5.0)
+    np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-6)
+    _, plain = grpo.loss_fn(PARAMS, batch, cfg, model=MODEL)
+    assert float(metrics["logp_mismatch"]) == float(plain["logp_mismatch"])
+    assert float(metrics["is_weight_mean"]) != float(plain["is_weight_mean"])
+
+
 def test_one_pass_weights_against_the_updates_own_forward():
     """With the batch used once (old_logp None: the proximal policy is the policy being
     updated), the weight is exp(sg(logp) − sampler_logp): decoupled PPO at μ = 1."""

@@ -80,6 +80,42 @@ def test_sampler_logprobs_equal_trainer_token_logprobs(temperature):
     np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(fused)[m], atol=2e-5)
 
 
+@pytest.mark.parametrize("top_k, top_p, min_new, continuous", [(0, 0.7, 0, False), (5, 1.0, 0, True),
+                                                                 (0, 1.0, 3, False)])
+def test_behaviour_logprobs_are_those_of_the_distribution_drawn_from(top_k, top_p, min_new, continuous):
+    """With top-k / top-p truncation or an EOS ban, `behaviour_logprobs` is each token's
+    log-prob under the truncated, renormalised distribution (recomputed here from the full
+    forward pass with `truncate_logits`), `logprobs` stays softmax(logits/τ)'s; without
+    them there is none (`logprobs` are the behaviour's)."""
+    from jaxrlhf.rollout.continuous import generate_continuous
+
+    ids, mask = _prompts(np.random.default_rng(4), 3, 5)
+    kw = dict(max_new_tokens=6, temperature=0.8, top_k=top_k, top_p=top_p, num_samples=2, eos_id=2,
+              min_new_tokens=min_new)
+    out = (generate_continuous(MODEL, PARAMS, ids, mask, jax.random.key(5), slots=4, **kw) if continuous
+           else generate(MODEL, PARAMS, ids, mask, jax.random.key(5), **kw))
+    p = ids.shape[1]
+    logits = np.asarray(_full_logits(out.sequences, out.attention_mask), np.float32)[:, p - 1:-1] / 0.8
+    m = np.asarray(out.response_mask, bool)
+    n, t = m.shape
+    want = np.zeros((n, t), np.float32)
+    for i in range(t):
+        step = jnp.asarray(logits[:, i])
+        if min_new and i < min_new:
+            step = step.at[:, 2].set(jnp.finfo(jnp.float32).min)
+        drawn = truncate_logits(step, top_k=top_k, top_p=top_p)
+        want[:, i] = np.take_along_axis(np.asarray(jax.nn.log_softmax(drawn)), np.asarray(out.response_ids)[:, i:i + 1],
+                                        axis=1)[:, 0]
+    got = np.asarray(out.behaviour_logprobs)
+    np.testing.assert_allclose(got[m], want[m], atol=2e-5)
+    assert (got[~m] == 0).all()
+    assert (got[m] >= np.asarray(out.logprobs)[m] - 1e-6).all()  # renormalised over fewer tokens: never lower
+    assert (got[m] > np.asarray(out.logprobs)[m] + 1e-3).any()
+    np.testing.assert_array_equal(np.asarray(out.behaviour), got)
+    plain = generate(MODEL, PARAMS, ids, mask, jax.random.key(5), max_new_tokens=6, temperature=0.8)
+    assert plain.behaviour_logprobs is None and plain.behaviour is plain.logprobs
+
+
 def test_sampling_frequencies_match_softmax_over_temperature():
     """One new token drawn 6,000 times from a fixed prompt: a chi-square test per τ."""
     ids = np.array([[5, 9, 11]])
@@ -287,8 +323,11 @@ def test_row_blocks_on_cpu_threads_sample_what_one_program_samples(threads, kw):
     assert sampler.cpu_row_blocks(4, PARAMS, ids, cpu_threads=threads) == threads
     blocks = generate(MODEL, PARAMS, ids, mask, jax.random.key(6), max_new_tokens=9, cpu_threads=threads, **kw)
     for name, x, y in zip(SampleOutput._fields, one, blocks):
+        if x is None:  # behaviour_logprobs without truncation
+            assert y is None, name
+            continue
         assert x.shape == y.shape and x.dtype == y.dtype, name
-        if name == "logprobs":  # blocks of fewer rows may round the matmuls differently
+        if name in ("logprobs", "behaviour_logprobs"):  # blocks of fewer rows may round the matmuls differently
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
         else:
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
@@ -364,7 +403,10 @@ def test_few_row_cpu_options_sample_the_same_tokens(monkeypatch, kw):
     with_options = run()
     assert seen == [_kernels._CPU_FEW_ROW_OPTIONS]
     for name, x, y in zip(SampleOutput._fields, default, with_options):
-        if name == "logprobs":  # the dots' summation order differs
+        if x is None:  # behaviour_logprobs without truncation
+            assert y is None, name
+            continue
+        if name in ("logprobs", "behaviour_logprobs"):  # the dots' summation order differs
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
         else:
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
@@ -444,7 +486,10 @@ def test_cache_windows_and_the_vocab_major_head_never_change_a_sample(monkeypatc
     whole = run()  # one cache of P + T slots, logits from the model's own head
     assert int(np.asarray(whole.lengths).max()) > 65  # the second segment ran
     for name, x, y in zip(SampleOutput._fields, whole, windowed):
-        if name == "logprobs":  # the head's dot sums in another order
+        if x is None:  # behaviour_logprobs without truncation
+            assert y is None, name
+            continue
+        if name in ("logprobs", "behaviour_logprobs"):  # the head's dot sums in another order
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
         else:
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)

@@ -9,14 +9,16 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _compile_cache import persistent_compile_cache, session_folder  # noqa: E402
+from _compile_cache import cache_env, persistent_compile_cache, session_folder  # noqa: E402
 
+from jaxrlhf import exits  # noqa: E402
 from jaxrlhf.runs import train_and_evaluate  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -122,3 +124,33 @@ def test_ppo_one_version_ahead_with_its_critic_resumes_exactly(tmp_path, cache):
     assert [r["ppo/pipeline/version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
     assert rows[0]["ppo/mismatch_kl"] < 1e-6 < rows[2]["ppo/mismatch_kl"] and "ppo/value_loss" in rows[2]
     assert _rows(resumed, drop=("/time/", "wait_s")) == _rows(full, drop=("/time/", "wait_s"))
+
+
+def _train(workdir, cache, signal_at=""):
+    """The command line on the tiny GRPO recipe two versions ahead, no warm start, a
+    checkpoint every step; `signal_at` the test hook's moment and signal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRLHF_")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(CONFIGS.parent), **cache_env(cache))
+    if signal_at:
+        env[exits.TEST_SIGNAL_ENV] = signal_at
+    args = ["sft.steps=0", "grpo.steps=4", "grpo.pipeline.max_staleness=2", "grpo.correction.mode=tis",
+            "train.eval_every=0", "train.checkpoint_every=1", "train.show_samples=0"]
+    cmd = [sys.executable, "-m", "jaxrlhf.train", f"--config={CONFIGS / 'addition_grpo.py'}:tiny",
+           f"--workdir={workdir}", *(f"--config.{a}" for a in args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sigterm_mid_run_then_a_rerun_gives_the_uninterrupted_metrics(tmp_path, cache):
+    """SIGTERM during step 1's checkpoint save: the run stops after the step in progress,
+    step 2, saved (status 0), with the samples in flight (sampled with version 0) saved
+    beside it, and its rerun logs steps 3-4 as the run that was never stopped."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    assert _train(full, cache).returncode == 0
+    first = _train(stopped, cache, signal_at="save#1:SIGTERM")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert [r["step"] for r in _grpo(_rows(stopped))] == [1, 2]
+    assert (stopped / "grpo.pipeline" / "2-p0.npz").exists()
+    again = _train(stopped, cache)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "grpo: resuming at step 2 of 4" in again.stderr
+    assert _rows(stopped, drop=("/time/", "wait_s")) == _rows(full, drop=("/time/", "wait_s"))
