@@ -20,6 +20,11 @@ environments' own time inside it is `episode/env_seconds`) and the episodes' fig
 greedy episodes on the test rows: `accuracy` (the environment's `stats["correct"]` when it
 keeps one, else a reward >= 0.5), `reward`, and the same episode figures.
 
+With `<phase>.pipeline.max_staleness` > 0 the episodes run ahead of learning
+(`runs.pipeline`): a batch's episodes run on the pipeline's worker thread with a copy of the
+weights of their version (the environments' time and the decoding beside the learner's
+programs), and the step scores and updates with the learner's (`<phase>.correction`).
+
 One process (any number of its local devices); the rows of a step are not split over
 processes yet.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import rewards as rewards_lib
@@ -38,7 +44,7 @@ from jaxrlhf.envs.tools import ERROR_KINDS as TOOL_ERRORS
 from jaxrlhf.models import lora
 from jaxrlhf.rollout import episodes as engine
 from jaxrlhf.rollout.sampler import SampleOutput
-from jaxrlhf.runs import phases
+from jaxrlhf.runs import phases, pipeline
 from jaxrlhf.runs.loop import run_phase
 from jaxrlhf.runs.sharding import Placement
 from jaxrlhf.runs.tasks import Task
@@ -141,41 +147,106 @@ def _checks(task: Task, reward_model_and_params):
     return rewards_lib.as_reward(task.reward)
 
 
-def _episode_step(model, params_of, score, update, reward, task: Task, group: int, sampling):
-    """`step(state, local_rows, rng)`: `group` episodes per row with the policy
-    `params_of(state)` of `model`, the environment's reward handed to the host component
-    "env", then the algorithm's jitted `score` and `update` (its `split`'s) on the episodes'
-    sample, whose `response_mask` is the policy mask; the metrics are the algorithm's, the
-    time split and `episode_metrics`."""
+def _collect(model, reward, task: Task, group: int, sampling):
+    """`collect(params, local, key) -> sample`: `group` episodes per row of `local` with
+    `params`, the environment's reward handed to the host component "env"; the sample
+    holds the episodes' `SampleOutput`, its host scores, their figures and times."""
     spec = task.episodes
 
-    def step(state, local, rng):
+    def collect(params, local, key):
         rows = [spec.rows[int(i)] for i in np.asarray(local["row"]) for _ in range(group)]
-        key = jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
         t0 = time.perf_counter()
-        out, envs = run(model, params_of(state), task, rows, key, temperature=sampling.temperature,
-                        top_k=sampling.top_k, top_p=sampling.top_p)
+        out, envs = run(model, params, task, rows, key, temperature=sampling.temperature, top_k=sampling.top_k,
+                        top_p=sampling.top_p)
         t1 = time.perf_counter()
         host = reward.host_scores(rewards_lib.RewardInput.from_sample(out.sample), {"env_reward": out.rewards},
                                   drop_unscored=True)
-        prepared, m_score = jax.block_until_ready(score(state, out.sample, {}, host, rng))
+        return dict(out=out.sample, host=host, figures=episode_metrics(out, envs), rollout_s=t1 - t0,
+                    host_s=time.perf_counter() - t1, tokens=float(np.asarray(out.sample.response_mask).sum()))
+
+    return collect
+
+
+def _rollout_key(rng, state):
+    return jax.random.fold_in(jax.random.fold_in(rng, state.step), 0)
+
+
+def _episode_step(collect, params_of, score, update):
+    """`step(state, local_rows, rng)`: the step's episodes with the policy `params_of(state)`
+    (`_collect`), then the algorithm's jitted `score` and `update` (its `split`'s) on the
+    episodes' sample, whose `response_mask` is the policy mask; the metrics are the
+    algorithm's, the time split and `episode_metrics`."""
+    def step(state, local, rng):
+        sample = collect(params_of(state), local, _rollout_key(rng, state))
+        t1 = time.perf_counter()
+        prepared, m_score = jax.block_until_ready(score(state, sample["out"], {}, sample["host"], rng))
         t2 = time.perf_counter()
         state, m_train = jax.block_until_ready(update(state, prepared, rng))
         t3 = time.perf_counter()
-        tokens = float(np.asarray(out.sample.response_mask).sum())
-        metrics = {**m_score, **m_train, **timing.split_metrics(t1 - t0, t2 - t1, t3 - t2, tokens),
-                   **episode_metrics(out, envs)}
+        metrics = {**m_score, **m_train, **sample["figures"],  # scoring: the host reward's time and the program's
+                   **timing.split_metrics(sample["rollout_s"], sample["host_s"] + t2 - t1, t3 - t2, sample["tokens"])}
         return state, metrics
 
     return step
 
 
-def _run(name: str, role: str, cfg, train, *, state, step, monitor, workdir, writer, rng, placement, eval_fn,
+def _episode_pipeline(collect, params_of, score, update, section, batches, rng, *, rows: int):
+    """`(step, pipeline)` of episodes ahead of learning (`runs.pipeline`): the episodes of a
+    batch run on the pipeline's worker thread (the environments' time and the decoding
+    beside the learner's programs), with a copy of the weights that sample them (the update
+    after it donates the state's); the step scores and updates with the learner's."""
+    def dispatch(state, local, key):
+        return dict(params=jax.tree.map(jnp.copy, params_of(state)), local=local, key=_rollout_key(key, state))
+
+    def finish(sample):
+        return collect(sample.pop("params"), sample["local"], sample["key"])
+
+    def arrays(sample):
+        out = {f"out.{k}": np.asarray(v) for k, v in sample["out"].arrays().items()}
+        out.update({f"host.{k}": np.asarray(v) for k, v in sample["host"].items()})
+        out.update({f"figures.{k}": np.float64(v) for k, v in sample["figures"].items()})
+        return {**out, **{k: np.float64(sample[k]) for k in ("rollout_s", "host_s", "tokens")}}
+
+    def rebuild(local, saved):
+        part = lambda prefix: {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+        return dict(out=SampleOutput(**part("out.")), host=part("host."),
+                    figures={k: float(v) for k, v in part("figures.").items()},
+                    **{k: float(saved[k]) for k in ("rollout_s", "host_s", "tokens")})
+
+    pipe = pipeline.Pipeline(batches, max_staleness=section.max_staleness, schedule=section.schedule, rng=rng,
+                             dispatch=dispatch, finish=finish, rebuild=rebuild, arrays=arrays, groups_per_batch=rows)
+
+    def step(state, item, rng):
+        sample = item.sample
+        with pipe.lock:
+            t1 = time.perf_counter()
+            prepared, m_score = jax.block_until_ready(score(state, sample["out"], {}, sample["host"], rng))
+            t2 = time.perf_counter()
+            state, m_train = jax.block_until_ready(update(state, prepared, rng))
+            t3 = time.perf_counter()
+            pipe.publish(state)
+        metrics = {**m_score, **m_train, **sample["figures"], **pipe.metrics(item), timing.HOST_REWARD_S: sample["host_s"],
+                   **timing.split_metrics(sample["rollout_s"], t2 - t1, t3 - t2, sample["tokens"])}
+        return state, metrics
+
+    return step, pipe
+
+
+def _run(name: str, role: str, cfg, train, *, state, make_step, monitor, workdir, writer, rng, placement, eval_fn,
          should_stop, early_stop, task: Task):
     """`run_phase` of an episode phase `name` over the task's rows, `cfg.prompts_per_step`
-    a step; the trained params are `state.<role>.params`."""
+    a step, from `make_step() -> (collect, params_of, score, update)`: synchronously
+    (`_episode_step`) or ahead of learning (`<name>.pipeline`, `_episode_pipeline`); the
+    trained params are `state.<role>.params`."""
     batches = phases.array_batches({"row": np.arange(len(task.episodes.rows))}, cfg.prompts_per_step, cfg.seed,
                                    placement, f"{name}.prompts_per_step")
+    section = phases.pipeline_section(cfg, name)
+    collect, params_of, score, update = make_step()
+    if section.active:
+        step, batches = _episode_pipeline(collect, params_of, score, update, section, batches, rng,
+                                          rows=cfg.prompts_per_step)
+    else:
+        step = _episode_step(collect, params_of, score, update)
     return run_phase(
         phases.phase_config(name, cfg, train, show=("reward/mean", "episode/turns", "episode/well_formed_calls",
                                                     "eval/accuracy", timing.TOKENS_PER_S)),
@@ -202,9 +273,9 @@ def grpo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer
     state, state_sh = placement.init_state(make, placement.place(params, p_sh), params_shardings=p_sh)
     parts = grpo.split(model, tx, gcfg, reward, schedule=schedule)
     update = jax.jit(parts.train, out_shardings=(state_sh, placement.replicated), donate_argnums=0)
-    step = _episode_step(model, lambda s: s.policy.params, jax.jit(parts.score), update, reward, task,
-                         gcfg.group_size, gcfg.sampling)
-    state, last = _run("grpo", "policy", cfg, train, state=state, step=step,
+    make_step = lambda: (_collect(model, reward, task, gcfg.group_size, gcfg.sampling), lambda s: s.policy.params,
+                         jax.jit(parts.score), update)
+    state, last = _run("grpo", "policy", cfg, train, state=state, make_step=make_step,
                        monitor=phases.health_monitor(train.monitor, "grpo", clip=gcfg.clip_low), workdir=workdir,
                        writer=writer, rng=rng, placement=placement, eval_fn=eval_fn, should_stop=should_stop,
                        early_stop=early_stop, task=task)
@@ -226,11 +297,11 @@ def ppo_episode_phase(cfg, train, *, model, params, task: Task, workdir, writer,
     built = phases.ppo_setup(cfg, model=model, params=params, task=task, placement=placement)
     pcfg, reward = built.cfg, built.reward
     update = jax.jit(built.parts.train, out_shardings=(built.state_sh, placement.replicated), donate_argnums=0)
-    step = _episode_step(built.actor_model, lambda s: s.actor.params, jax.jit(built.parts.score), update, reward,
-                         task, pcfg.sampling.num_samples, pcfg.sampling)
+    make_step = lambda: (_collect(built.actor_model, reward, task, pcfg.sampling.num_samples, pcfg.sampling),
+                         lambda s: s.actor.params, jax.jit(built.parts.score), update)
     monitor = phases.health_monitor(train.monitor, "ppo", clip=pcfg.clip_low, kl_target=pcfg.kl_target)
-    state, last = _run("ppo", "actor", cfg, train, state=built.state, step=step, monitor=monitor, workdir=workdir,
-                       writer=writer, rng=rng, placement=placement, eval_fn=eval_fn, should_stop=should_stop,
+    state, last = _run("ppo", "actor", cfg, train, state=built.state, make_step=make_step, monitor=monitor,
+                       workdir=workdir, writer=writer, rng=rng, placement=placement, eval_fn=eval_fn, should_stop=should_stop,
                        early_stop=early_stop, task=task)
     params = state.actor.params
     if pcfg.shared:

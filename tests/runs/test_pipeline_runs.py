@@ -154,3 +154,23 @@ def test_sigterm_mid_run_then_a_rerun_gives_the_uninterrupted_metrics(tmp_path, 
     assert again.returncode == 0, again.stderr[-2000:]
     assert "grpo: resuming at step 2 of 4" in again.stderr
     assert _rows(stopped, drop=("/time/", "wait_s")) == _rows(full, drop=("/time/", "wait_s"))
+
+
+@pytest.mark.heavy  # two tiny calculator runs (300 SFT steps each); the pipeline's own tests are above
+def test_episodes_one_version_ahead_resume_exactly(tmp_path, cache):
+    """GRPO on multi-turn calculator episodes one version ahead: the episodes of batch k run
+    on the worker thread with a copy of version max(0, k − 1)'s weights, and a run
+    interrupted after step 2 resumes to the uninterrupted metrics."""
+    c = _config(name="calculator_grpo", max_staleness=1)
+    c.grpo.correction.mode = "tis"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    with persistent_compile_cache(cache):
+        train_and_evaluate(c, full)
+        shutil.copytree(full, resumed)
+        shutil.rmtree(resumed / "grpo" / "4")
+        train_and_evaluate(c, resumed)
+    rows = _grpo(_rows(full, drop=()))
+    assert [r["grpo/pipeline/version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert all(r["grpo/episode/turns"] >= 1 for r in rows)
+    assert _rows(resumed, drop=("/time/", "wait_s", "env_seconds")) == _rows(full, drop=("/time/", "wait_s",
+                                                                                        "env_seconds"))
