@@ -59,18 +59,18 @@ def main():
         os.environ["XLA_FLAGS"] = _xla.flags(base=os.environ.get("XLA_FLAGS"))
     import jax
 
-    from tests.models.conftest import _Store, torch
+    from tests.models.conftest import torch
     from tests.rollout import test_parity_gate as gate
 
     torch.set_num_threads(1)
     families = args.families or list(gate.FAMILIES)
-    store = _Store(Path(tempfile.mkdtemp(prefix="parity_gate_")))
+    store = gate.Checkpoints(Path(tempfile.mkdtemp(prefix="parity_gate_")))
     bounds = {"float32": f"max abs ≤ {gate.FLOAT32_MAX_ABS:g}", "bfloat16": f"KL ≤ {gate.BFLOAT16_MISMATCH_KL:g}"}
     lines = ["| family | dtype | sampler | valid tokens | max abs Δ log p | mismatch_kl | gate | holds |",
              "|---|---|---|---:|---:|---:|---|---|"]
     worst = {}
     for family in families:
-        path = store.get(family)[0]
+        path = store.path(family)
         for dtype in args.dtypes:
             found = gate.measure(*gate.load(path, dtype))
             for sampler, g in found.items():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from jaxrlhf.algorithms.experience import score_responses
 from jaxrlhf.models import Transformer, load_pretrained, lora
 from jaxrlhf.rollout import SampleOutput, generate, generate_continuous
 
-from tests.models.conftest import PAD, VOCAB, _Store, torch
+from tests.models.conftest import PAD, VOCAB, build_hf, torch
 
 FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3")
 FLOAT32_MAX_ABS = 1e-5  # max |Δ log p| over valid tokens, float32 params and cache
@@ -55,11 +56,27 @@ STOP_IDS = tuple(range(2, 17))  # 15 of 300 ids end a response: rows end at diff
 KEY = 3
 
 
+class Checkpoints:
+    """Each family's tiny random checkpoint (tests/models/conftest.py's `build_hf`), saved
+    once under `root`, seeded by the family's place in `FAMILIES` (the model tests' store
+    seeds by build order): a test or benchmark run of some families sees the checkpoints
+    of a run of all of them."""
+
+    def __init__(self, root: Path):
+        self.root, self.paths = root, {}
+
+    def path(self, family: str) -> str:
+        if family not in self.paths:
+            folder = self.root / family
+            build_hf(family, seed=FAMILIES.index(family)).save_pretrained(folder, safe_serialization=True)
+            self.paths[family] = str(folder)
+        return self.paths[family]
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """The model tests' tiny random checkpoints (tests/models/conftest.py), built here."""
     torch.set_num_threads(1)
-    return _Store(tmp_path_factory.mktemp("hf"))
+    return Checkpoints(tmp_path_factory.mktemp("hf"))
 
 
 def prompts(lengths=PROMPT_LENGTHS, width=PROMPT_LENGTHS[0], seed=0):
@@ -176,7 +193,7 @@ def test_float32_sampler_logprobs_equal_the_trainers(store, family):
     """float32: both samplers' log-probs equal GRPO's scoring (fused head, prompts run once
     per group) to 1e-5 on every family — attention over a left-padded prompt longer than
     the sliding window, soft caps, q/k norms, scaled embeddings, tied and untied heads."""
-    _check_float32(measure(*load(store.get(family)[0], "float32")))
+    _check_float32(measure(*load(store.path(family), "float32")))
 
 
 @pytest.mark.parametrize("family", [f if f == "gemma3" else pytest.param(f, marks=pytest.mark.heavy)
@@ -185,7 +202,7 @@ def test_bfloat16_sampler_logprobs_match_the_trainers(store, family):
     """bfloat16 params and cache: a decode step and the trainer's T-token pass round
     differently, so the gate is the mismatch KL an importance-weighted loss would see:
     ≤ 1e-3 on every family (Gemma 3, the largest measured gap, in the quick tier)."""
-    _check_bfloat16(measure(*load(store.get(family)[0], "bfloat16")))
+    _check_bfloat16(measure(*load(store.path(family), "bfloat16")))
 
 
 def test_bfloat16_row_blocks_sample_what_one_program_samples(store):
@@ -194,7 +211,7 @@ def test_bfloat16_row_blocks_sample_what_one_program_samples(store):
     attention took its scores from a float32-accumulating dot, XLA kept or dropped their
     bf16 rounding by program shape (`xla_allow_excess_precision`): the blocks drew other
     tokens, and their log-probs missed the trainer's by up to 4e-2 here (docs/benchmarks.md)."""
-    model, params = load(store.get("gemma3")[0], "bfloat16")
+    model, params = load(store.path("gemma3"), "bfloat16")
     ids_BxP, mask_BxP = prompts()
     kw = dict(max_new_tokens=T, eos_id=STOP_IDS, num_samples=G)
     blocks = generate(model, params, ids_BxP, mask_BxP, jax.random.key(KEY), cpu_threads=2, **kw)
@@ -237,7 +254,7 @@ def test_other_axes(store, family, dtype, model_kw, kw):
     - the plain LM head (`[B, T, V]` logits, `ops.token_logprobs`) with each row scored by
       its own forward pass (no shared prompt).
     """
-    model, params = load(store.get(family)[0], dtype, **model_kw)
+    model, params = load(store.path(family), dtype, **model_kw)
     tau, group_size = kw["temperature"], kw["group_size"]
     outs = sample_both(model, params, temperature=tau, top_p=kw["top_p"])
     found = gaps(model, params, outs, temperature=tau, group_size=group_size)
