@@ -142,6 +142,12 @@ def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float,
           soft_cap: float | None = None, keys_transposed: bool = False):
     """The reference: all scores `[B, K, G·L, S]` at once, softmax in float32.
 
+    The scores' dot accumulates in float32 and stays there (as the chunked form's), never
+    rounded to a bf16 compute dtype: a bf16 dot cast up is a round trip XLA may drop in one
+    program and keep in another (`xla_allow_excess_precision`), so the same row rounded
+    differently with other rows beside it — a decode step of a CPU row block against the
+    whole batch, or the sampler against the trainer.
+
     `keys_transposed`: keys come as `[B, K, H, S]` (the KV cache's layout).
     Returns `[B, L, N, H]` in the dtype of `q`.
     """
@@ -153,11 +159,9 @@ def dense(q_BxLxNxH, k_BxKxSxH, v_BxKxSxH, mask: AttentionMask, *, scale: float,
     # Query heads of one kv group are folded into the row axis: one batched matmul per
     # (batch, kv head), no repeated keys.
     q_BxKxQxH = q_BxLxNxH.reshape(b, l, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * l, h)
-    if keys_transposed:
-        scores = jnp.einsum("BKQH,BKHS->BKQS", q_BxKxQxH, k_BxKxSxH.astype(dt))
-    else:
-        scores = jnp.einsum("BKQH,BKSH->BKQS", q_BxKxQxH, k_BxKxSxH.astype(dt))
-    scores = capped(scores.astype(jnp.float32) * scale, soft_cap)
+    spec = "BKQH,BKHS->BKQS" if keys_transposed else "BKQH,BKSH->BKQS"
+    scores = jnp.einsum(spec, q_BxKxQxH, k_BxKxSxH.astype(dt), preferred_element_type=jnp.float32)
+    scores = capped(scores * scale, soft_cap)
     allowed = allowed_BxLxS(mask, window)
     mask_BxQxS = jnp.broadcast_to(allowed[:, None], (b, g, l, s)).reshape(b, 1, g * l, s)
     # finfo.min rather than -inf: a fully masked row (a padding query) stays finite, and

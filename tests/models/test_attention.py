@@ -76,6 +76,26 @@ def test_dense_equals_float64_reference(window):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
 
 
+def test_bfloat16_dense_scores_do_not_depend_on_the_batch():
+    """bf16 q, k, v: the dense form's scores come from a dot that accumulates in float32 (as
+    the chunked form's do), not from a bf16 dot cast up. XLA may drop such a bf16 → float32
+    round trip in one program and keep it in another (`xla_allow_excess_precision`, on by
+    default): a row then rounded differently alone and in a batch of two, so `generate`'s
+    CPU row blocks drew other tokens than one program did, and their bf16 log-probs missed
+    the trainer's by up to 0.1 (tests/rollout/test_parity_gate.py). Row 0 alone and in a
+    batch of two now agree exactly, and stay within bf16 rounding of the float64 formula."""
+    q, k, v, key_valid, query_slot = _case(3, b=2, l=7, n=4, kh=2, h=16, fully_masked_row=False)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    fn = jax.jit(lambda q, k, v, valid: attention.dense(q, k, v, AttentionMask(valid, jnp.asarray(query_slot)),
+                                                        scale=0.25))
+    pair = np.asarray(fn(q, k, v, jnp.asarray(key_valid)), np.float32)
+    alone = np.asarray(fn(q[:1], k[:1], v[:1], jnp.asarray(key_valid[:1])), np.float32)
+    np.testing.assert_array_equal(alone[0], pair[0])
+    as64 = lambda x: np.asarray(x, np.float64)
+    want = _reference(as64(q), as64(k), as64(v), key_valid, query_slot, 0.25, None)
+    np.testing.assert_allclose(pair, want, atol=3e-2)
+
+
 # (GQA group size, query/key blocks, window, offset of the queries into the keys)
 CASES = [
     (1, 8, 8, None, 0),
