@@ -137,9 +137,11 @@ def write(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
     path.write_text(new)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated run names (RUNS) or config names in configs/")
+def arguments(argv, description: str, configs) -> tuple[argparse.Namespace, list[tuple[str, int]]]:
+    """The command line of a learning script (this one's, learning_45.py's) and the
+    `(run, seed)` pairs it asks for (only those finished in `--out` with `--existing`)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--configs", default=",".join(configs), help="comma-separated run names (RUNS) or config names in configs/")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variant", default="", help="a config variant, e.g. 'tiny' ('': the full runs)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/learning_43"), help="the runs' workdirs")
@@ -151,6 +153,11 @@ def main(argv=None):
     pairs = [(name, seed) for name in args.configs.split(",") for seed in args.seeds]
     if args.existing:
         pairs = [(n, s) for n, s in pairs if (args.out / n / f"seed{s}" / "summary.json").exists()]
+    return args, pairs
+
+
+def main(argv=None):
+    args, pairs = arguments(argv, __doc__.splitlines()[0], CONFIGS)
     results = {(name, seed): run(name, seed, args.variant, args.out) for name, seed in pairs}
     markdown = table(results)
     print(markdown)

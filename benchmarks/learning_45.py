@@ -15,7 +15,6 @@ seeds; each run is `python -m jaxrlhf.train --config=configs/addition_grpo.py
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -39,18 +38,7 @@ BEGIN, END = "<!-- learning_45:begin -->", "<!-- learning_45:end -->"
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default=",".join(RUNS), help="comma-separated run names (RUNS)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--variant", default="", help="a config variant, e.g. 'tiny' ('': the full runs)")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/learning_43"), help="the runs' workdirs")
-    ap.add_argument("--write", type=Path, default=None, help="a markdown file to put the table in (docs/results.md)")
-    ap.add_argument("--note", default="", help="a paragraph written under the table (with --write)")
-    ap.add_argument("--existing", action="store_true", help="only read the runs already finished in --out")
-    args = ap.parse_args(argv)
-    pairs = [(name, seed) for name in args.configs.split(",") for seed in args.seeds]
-    if args.existing:
-        pairs = [(n, s) for n, s in pairs if (args.out / n / f"seed{s}" / "summary.json").exists()]
+    args, pairs = common.arguments(argv, __doc__.splitlines()[0], tuple(RUNS))
     results = {(n, s): common.run(n, s, args.variant, args.out, runs=RUNS) for n, s in pairs}
     markdown = common.table(results, runs=RUNS)
     print(markdown)

@@ -108,18 +108,25 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_metrics(ahead, tmp_path
     assert versions == [0.0, 0.0, 2.0, 2.0]
 
 
+def _run_and_resume(config, phase, tmp_path, cache):
+    """`(full, resumed)`: the workdirs of a 4-step run and of its copy without the step-4
+    checkpoint (a kill after step 2's save), run again."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    with persistent_compile_cache(cache):
+        train_and_evaluate(config, full)
+        shutil.copytree(full, resumed)
+        shutil.rmtree(resumed / phase / "4")
+        train_and_evaluate(config, resumed)
+    return full, resumed
+
+
 def test_ppo_one_version_ahead_with_its_critic_resumes_exactly(tmp_path, cache):
     """PPO (actor, critic, reference) one version ahead with the correction: batch k is
     sampled with version max(0, k − 1), its advantages use the learner's critic, and a run
     interrupted after step 2 resumes to the uninterrupted metrics."""
     c = _config(name="addition_ppo_rule", phase="ppo", max_staleness=1)
     c.ppo.correction.mode = "tis"
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    with persistent_compile_cache(cache):
-        train_and_evaluate(c, full)
-        shutil.copytree(full, resumed)
-        shutil.rmtree(resumed / "ppo" / "4")
-        train_and_evaluate(c, resumed)
+    full, resumed = _run_and_resume(c, "ppo", tmp_path, cache)
     rows = _grpo(_rows(full, drop=()), "ppo")
     assert [r["ppo/pipeline/version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
     assert rows[0]["ppo/mismatch_kl"] < 1e-6 < rows[2]["ppo/mismatch_kl"] and "ppo/value_loss" in rows[2]
@@ -163,12 +170,7 @@ def test_episodes_one_version_ahead_resume_exactly(tmp_path, cache):
     interrupted after step 2 resumes to the uninterrupted metrics."""
     c = _config(name="calculator_grpo", max_staleness=1)
     c.grpo.correction.mode = "tis"
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    with persistent_compile_cache(cache):
-        train_and_evaluate(c, full)
-        shutil.copytree(full, resumed)
-        shutil.rmtree(resumed / "grpo" / "4")
-        train_and_evaluate(c, resumed)
+    full, resumed = _run_and_resume(c, "grpo", tmp_path, cache)
     rows = _grpo(_rows(full, drop=()))
     assert [r["grpo/pipeline/version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
     assert all(r["grpo/episode/turns"] >= 1 for r in rows)
