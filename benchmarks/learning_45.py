@@ -1,5 +1,6 @@
 """Held-out exact match of the built-in task's GRPO recipe with rollout ahead of learning
-(`grpo.pipeline.max_staleness` 1 and 4, the truncated-IS correction on; and 4 without it)
+(`grpo.pipeline.max_staleness` 1 and 4, the truncated-IS correction on; 4 without it, and
+4 with masked IS)
 beside the synchronous run, over seeds, as a markdown table for docs/results.md.
 
     python benchmarks/learning_45.py --seeds 0 1 2 --write docs/results.md
@@ -33,6 +34,8 @@ RUNS = {
                              "addition_grpo"),
     "addition_grpo_ahead4_none": ("addition_grpo", ("grpo.pipeline.max_staleness=4",),
                                   "4 versions ahead, no correction", "addition_grpo"),
+    "addition_grpo_ahead4_mis": ("addition_grpo", ("grpo.pipeline.max_staleness=4", "grpo.correction.mode=mis"),
+                                 "4 versions ahead, masked IS (IcePop)", "addition_grpo"),
 }
 BEGIN, END = "<!-- learning_45:begin -->", "<!-- learning_45:end -->"
 
