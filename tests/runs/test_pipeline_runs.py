@@ -120,6 +120,7 @@ def _run_and_resume(config, phase, tmp_path, cache):
     return full, resumed
 
 
+@pytest.mark.heavy  # the resume property's quick test is GRPO's above
 def test_ppo_one_version_ahead_with_its_critic_resumes_exactly(tmp_path, cache):
     """PPO (actor, critic, reference) one version ahead with the correction: batch k is
     sampled with version max(0, k − 1), its advantages use the learner's critic, and a run
@@ -147,6 +148,7 @@ def _train(workdir, cache, signal_at=""):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy  # three command-line runs; the resume property's quick test is GRPO's above
 def test_sigterm_mid_run_then_a_rerun_gives_the_uninterrupted_metrics(tmp_path, cache):
     """SIGTERM during step 1's checkpoint save: the run stops after the step in progress,
     step 2, saved (status 0), with the samples in flight (sampled with version 0) saved
