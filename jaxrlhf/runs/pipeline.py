@@ -134,14 +134,14 @@ class Pipeline(Hook):
                 self._raise()
                 item = self._buffer.popleft()
                 self._cond.notify_all()
-            item.sample = item.sample.result() if isinstance(item.sample, concurrent.futures.Future) else item.sample
+            item.sample = _done(item.sample)
             item.staleness = self._version - item.version  # the learner's version before it trains on it
             if item.staleness <= self.s:
                 item.wait_s = time.perf_counter() - t0
                 return item
             self.dropped_groups += self.groups
             log.warning("pipeline: batch %d (version %d) is %d versions behind the learner (> max_staleness=%d): "
-                        "dropped", item.index, item.version, self._version - item.version, self.s)
+                        "dropped", item.index, item.version, item.staleness, self.s)
             if self.schedule == "deterministic":
                 self._fill()
 
@@ -186,16 +186,20 @@ class Pipeline(Hook):
         self._buffer.append(Item(index, self._version, position, future))
         self._next += 1
 
+    def _may_produce(self) -> bool:
+        """Batch `_next` is in the phase and within the bound of the learner's version."""
+        return self._next < self._end and self._next <= self._version + self.s
+
     def _fill(self) -> None:
         with self._cond:
-            while self._next < self._end and self._next <= self._version + self.s:
+            while self._may_produce():
                 self._produce_one(self._state)
 
     def _run_producer(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and not (self._next < self._end and self._next <= self._version + self.s):
+                    while not self._stop and not self._may_produce():
                         self._cond.wait()
                     if self._stop:
                         return
@@ -234,8 +238,7 @@ class Pipeline(Hook):
             return {"pipeline": []}
         arrays = {}
         for i, item in enumerate(items):
-            done = item.sample.result() if isinstance(item.sample, concurrent.futures.Future) else item.sample
-            arrays.update({f"{i}/{k}": v for k, v in self._arrays(done).items()})
+            arrays.update({f"{i}/{k}": v for k, v in self._arrays(_done(item.sample)).items()})
         self._dir.mkdir(parents=True, exist_ok=True)
         path = self._dir / f"{ctx.step}-p{self.process}.npz"
         tmp = path.with_suffix(".tmp.npz")
@@ -273,6 +276,11 @@ class Pipeline(Hook):
                 arrays = {k.split("/", 1)[1]: data[k] for k in data.files if k.split("/", 1)[0] == str(i)}
                 self._buffer.append(Item(index, version, position, self._rebuild(local, arrays)))
                 self._next = index + 1
+
+
+def _done(sample):
+    """A sample with its host work finished (waiting for it when it is still a future)."""
+    return sample.result() if isinstance(sample, concurrent.futures.Future) else sample
 
 
 class RLPrograms(NamedTuple):
